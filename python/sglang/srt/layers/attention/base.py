@@ -1,0 +1,54 @@
+"""Interface every attention backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    """Reads query lengths, KV lengths and an optional custom mask; nothing else."""
+
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        """Build backend-private metadata once per forward, before the layers run."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: "RadixAttention",
+        forward_batch: "ForwardBatch",
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor: ...
+
+
+def save_kv(layer: "RadixAttention", forward_batch: "ForwardBatch", k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write this forward's K/V (or MLA latent) into the pool at out_cache_loc."""
+    pool = forward_batch.token_to_kv_pool
+    loc = forward_batch.out_cache_loc
+    if hasattr(pool, "kv_buffer"):  # MLA: v is a view of the latent part of k
+        pool.set_kv_buffer(layer.layer_id, loc, k)
+    else:
+        pool.set_kv_buffer(
+            layer.layer_id,
+            loc,
+            k.view(-1, layer.tp_k_head_num, layer.head_dim),
+            v.view(-1, layer.tp_k_head_num, layer.v_head_dim),
+        )
+
+
+def load_kv(layer: "RadixAttention", forward_batch: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole K and V buffers of this layer: [slots, Hkv, D] and [slots, Hkv, Dv]."""
+    pool = forward_batch.token_to_kv_pool
+    if hasattr(pool, "kv_buffer"):
+        kv = pool.get_kv_buffer(layer.layer_id)
+        return kv, kv[..., : layer.v_head_dim]
+    return pool.get_kv_buffer(layer.layer_id)

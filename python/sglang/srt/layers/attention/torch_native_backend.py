@@ -1,0 +1,70 @@
+"""Plain-PyTorch paged attention (CPU and GPU): the reference every kernel is tested against."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sglang.srt.layers.attention.base import AttentionBackend, load_kv, save_kv
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        # Offsets of each request's rows in the flattened custom mask.
+        if forward_batch.custom_mask is not None:
+            sizes = [e * s for e, s in zip(forward_batch.extend_seq_lens_cpu, forward_batch.seq_lens_cpu)]
+            self.mask_offsets = [0]
+            for n in sizes:
+                self.mask_offsets.append(self.mask_offsets[-1] + n)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        if k is not None and save_kv_cache:
+            save_kv(layer, forward_batch, k, v)
+        num_tokens = q.shape[0]
+        out = q.new_empty((num_tokens, layer.tp_q_head_num, layer.v_head_dim))
+        if num_tokens == 0:
+            return out.view(0, -1)
+        q = q.view(num_tokens, layer.tp_q_head_num, layer.head_dim)
+        k_cache, v_cache = load_kv(layer, forward_batch)
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        start = 0
+        for i, (ext, seq) in enumerate(zip(forward_batch.extend_seq_lens_cpu, forward_batch.seq_lens_cpu)):
+            if ext == 0:
+                continue
+            slots = req_to_token[forward_batch.req_pool_indices[i], :seq]
+            mask = self._mask(forward_batch, i, ext, seq, q.device)
+            out[start : start + ext] = self._attend(
+                q[start : start + ext], k_cache[slots], v_cache[slots], mask, layer
+            )
+            start += ext
+        return out.view(num_tokens, -1)
+
+    def _mask(self, fb: ForwardBatch, i: int, ext: int, seq: int, device) -> torch.Tensor:
+        if fb.custom_mask is not None:
+            lo = self.mask_offsets[i]
+            return fb.custom_mask[lo : lo + ext * seq].view(ext, seq)
+        prefix = seq - ext
+        cols = torch.arange(seq, device=device)
+        rows = torch.arange(ext, device=device) + prefix
+        return cols[None, :] <= rows[:, None]
+
+    @staticmethod
+    def _attend(q, k, v, mask, layer: RadixAttention) -> torch.Tensor:
+        # q: [e, H, D], k: [s, Hkv, D], v: [s, Hkv, Dv] -> [e, H, Dv]
+        group = layer.tp_q_head_num // layer.tp_k_head_num
+        k = k.to(q.dtype).repeat_interleave(group, dim=1) if group > 1 else k.to(q.dtype)
+        v = v.to(q.dtype).repeat_interleave(group, dim=1) if group > 1 else v.to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=layer.scaling
+        )
+        return o.transpose(0, 1)

@@ -1,0 +1,98 @@
+"""Typed messages exchanged over ZMQ between the processes (pickled dataclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    """TokenizerManager -> (DataParallelController ->) Scheduler."""
+
+    rid: str
+    input_text: Optional[str]
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    # Set by the DataParallelController when it dispatches to a DP rank.
+    dp_rank: Optional[int] = None
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+
+
+@dataclass
+class GetInternalStateReq:
+    pass
+
+
+@dataclass
+class GetInternalStateReqOutput:
+    """One per DP rank: dp_rank, avg_spec_accept_length, max_total_num_tokens, ..."""
+
+    internal_state: dict[str, Any]
+
+
+@dataclass
+class BatchTokenIDOut:
+    """Scheduler -> DetokenizerManager: new tokens of every request that advanced."""
+
+    rids: list[str]
+    # Token ids generated so far by each request (full list, for incremental decoding).
+    output_ids: list[list[int]]
+    finished_reasons: list[Optional[dict[str, Any]]]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    no_stop_trim: list[bool]
+    # Per request: list of (logprob, token_id) for each new token, and top logprobs.
+    output_token_logprobs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
+    output_top_logprobs: list[Optional[list[list[tuple[float, int]]]]] = field(default_factory=list)
+    spec_verify_ct: list[int] = field(default_factory=list)
+
+
+@dataclass
+class BatchStrOut:
+    """DetokenizerManager -> TokenizerManager: full decoded text so far per request."""
+
+    rids: list[str]
+    output_strs: list[str]
+    output_ids: list[list[int]]
+    finished_reasons: list[Optional[dict[str, Any]]]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    output_token_logprobs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
+    output_top_logprobs: list[Optional[list[list[tuple[float, int]]]]] = field(default_factory=list)
+    spec_verify_ct: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerReady:
+    """Scheduler -> launcher at startup: capacity figures for /get_server_info."""
+
+    dp_rank: int
+    tp_rank: int
+    max_total_num_tokens: int
+    max_req_input_len: int
+    context_len: int
+    error: Optional[str] = None

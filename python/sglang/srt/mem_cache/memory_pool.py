@@ -1,0 +1,133 @@
+"""Request->token table, KV slot allocator and per-layer KV pools.
+
+Slot 0 of every KV pool is reserved as the dummy slot that padded rows write to;
+the allocator never hands it out.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class ReqToTokenPool:
+    """Maps (request row, position) -> KV slot. One row per running request."""
+
+    def __init__(self, size: int, max_context_len: int, device: str):
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self.free_slots = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self) -> int | None:
+        return self.free_slots.pop() if self.free_slots else None
+
+    def free(self, row: int) -> None:
+        self.free_slots.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.req_to_token[row, start : start + len(slots)] = slots
+
+
+class TokenToKVPoolAllocator:
+    """Free list of KV slots 1..size (slot 0 is the dummy slot)."""
+
+    def __init__(self, size: int, device: str):
+        self.size = size
+        self.device = device
+        self.clear()
+
+    def clear(self) -> None:
+        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device="cpu")
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        if n > len(self.free_slots):
+            return None
+        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        return out.to(self.device)
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self.free_slots = torch.cat([self.free_slots, slots.to("cpu", torch.int64)])
+
+
+class KVPool(ABC):
+    """Per-layer KV storage indexed by slot."""
+
+    size: int
+    dtype: torch.dtype
+    device: str
+
+    @abstractmethod
+    def bytes_per_token(self) -> int: ...
+
+
+class MHATokenToKVPool(KVPool):
+    def __init__(
+        self,
+        size: int,
+        dtype: torch.dtype,
+        head_num: int,
+        head_dim: int,
+        layer_num: int,
+        device: str,
+        v_head_dim: int | None = None,
+    ):
+        self.size, self.dtype, self.device = size, dtype, device
+        self.head_num, self.head_dim = head_num, head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.k_buffer = [
+            torch.zeros((size + 1, head_num, head_dim), dtype=dtype, device=device)
+            for _ in range(layer_num)
+        ]
+        self.v_buffer = [
+            torch.zeros((size + 1, head_num, self.v_head_dim), dtype=dtype, device=device)
+            for _ in range(layer_num)
+        ]
+
+    def bytes_per_token(self) -> int:
+        per_layer = self.head_num * (self.head_dim + self.v_head_dim) * self.dtype.itemsize
+        return per_layer * len(self.k_buffer)
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+
+
+class MLATokenToKVPool(KVPool):
+    """One latent vector (kv_lora_rank + qk_rope_head_dim) per token per layer."""
+
+    def __init__(
+        self,
+        size: int,
+        dtype: torch.dtype,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: str,
+    ):
+        self.size, self.dtype, self.device = size, dtype, device
+        self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
+        self.kv_buffer = [
+            torch.zeros((size + 1, 1, kv_lora_rank + qk_rope_head_dim), dtype=dtype, device=device)
+            for _ in range(layer_num)
+        ]
+
+    def bytes_per_token(self) -> int:
+        return (self.kv_lora_rank + self.qk_rope_head_dim) * self.dtype.itemsize * len(self.kv_buffer)
+
+    def get_kv_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.kv_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, latent: torch.Tensor) -> None:
+        self.kv_buffer[layer_id][loc] = latent.to(self.dtype).view(-1, 1, self.kv_buffer[layer_id].shape[-1])

@@ -1,0 +1,82 @@
+"""The small batch description that a forward pass reads.
+
+Models only see tensors; the attention backend is the one component that reads the
+per-request query/KV lengths and the optional custom (tree) mask. Nothing here says
+"draft" or "verify" to the layers: the mode only decides how the batch was built and
+which hidden states the caller keeps.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.attention.base import AttentionBackend
+    from sglang.srt.mem_cache.memory_pool import KVPool, ReqToTokenPool
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1  # prefill / chunked prefill, with an optional cached prefix
+    DECODE = 2  # one new token per request
+    TARGET_VERIFY = 3  # num_draft_tokens per request, tree mask
+    DRAFT_DECODE = 4  # topk tokens per request, one draft step
+    DRAFT_EXTEND = 5  # draft model catching up on accepted tokens
+    IDLE = 6  # no local rows; still runs every collective under DP attention
+
+    def is_extend_like(self) -> bool:
+        """Modes whose queries attend causally to their own new tokens."""
+        return self in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND, ForwardMode.TARGET_VERIFY)
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+
+class CaptureHiddenMode(enum.IntEnum):
+    NULL = 0  # keep no hidden states
+    LAST = 1  # keep the last token's hidden state per request
+    FULL = 2  # keep every token's hidden state (speculative decoding)
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    out_cache_loc: torch.Tensor  # [num_tokens] int64 KV slot written by each token
+    req_pool_indices: torch.Tensor  # [bs] int64 rows of the request->token table
+    seq_lens: torch.Tensor  # [bs] int64 KV length after this forward (prefix + new)
+    extend_seq_lens: torch.Tensor  # [bs] int64 new (query) tokens per request
+    # Host copies of the lengths, filled when the batch is built (never read back from device).
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    extend_seq_lens_cpu: list[int] = field(default_factory=list)
+    # Flattened bool mask, per request extend_len x seq_len (row-major), concatenated.
+    # None means causal over the new tokens with full visibility of the prefix.
+    custom_mask: Optional[torch.Tensor] = None
+    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
+    # Logits are computed for these token rows only (None: last token of each request).
+    logits_indices: Optional[torch.Tensor] = None
+    # Speculative decoding input (draft hidden states etc.), owned by speculative/.
+    spec_info: Any = None
+    # DP attention: tokens each DP rank contributes to this forward (same on every rank).
+    global_num_tokens: Optional[list[int]] = None
+    # Set by the model runner before the forward.
+    attn_backend: Optional["AttentionBackend"] = None
+    req_to_token_pool: Optional["ReqToTokenPool"] = None
+    token_to_kv_pool: Optional["KVPool"] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def prefix_lens_cpu(self) -> list[int]:
+        return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_seq_lens_cpu)]
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Row of each request's last new token in the flattened token dimension."""
+        return torch.cumsum(self.extend_seq_lens, 0) - 1

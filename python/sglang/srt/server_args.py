@@ -1,0 +1,287 @@
+"""Server arguments: one dataclass; the argparse parser is generated from its fields.
+
+Each field's metadata carries its help text and, where SGLang has them, extra flag
+spellings (e.g. --tp-size for --tensor-parallel-size). argparse's prefix matching stays
+on, so `--speculative-algo` resolves to `--speculative-algorithm` as in SGLang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
+ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "gguf")
+DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
+# Features whose flags parse today but whose implementation lands in a later issue.
+# Each entry: (predicate on ServerArgs, message).
+_NOT_SUPPORTED_YET: list[tuple[typing.Callable[["ServerArgs"], bool], str]] = []
+
+
+def _arg(help: str, *, flags: tuple[str, ...] = (), choices: tuple | None = None, **extra) -> dict:
+    return {"help": help, "flags": flags, "choices": choices, **extra}
+
+
+@dataclass
+class ServerArgs:
+    # Model and tokenizer
+    model_path: str = field(metadata=_arg("Path of the model: an HF directory, a GGUF file, or SmolLM2-135M-Instruct.", required=True))
+    tokenizer_path: Optional[str] = field(default=None, metadata=_arg("Path of the tokenizer (defaults to the model path)."))
+    load_format: str = field(default="auto", metadata=_arg("Weight format; 'dummy' makes random weights from the config.", choices=LOAD_FORMATS))
+    trust_remote_code: bool = field(default=False, metadata=_arg("Allow custom model code from the hub (configs only here)."))
+    dtype: str = field(default="auto", metadata=_arg("Weight and activation dtype; auto is bfloat16 on CUDA, float32 on CPU.", choices=DTYPES))
+    device: Optional[str] = field(default=None, metadata=_arg("cuda or cpu; defaults to cuda when available.", choices=("cuda", "cpu")))
+    context_length: Optional[int] = field(default=None, metadata=_arg("Maximum context length (defaults to the model config's)."))
+    served_model_name: Optional[str] = field(default=None, metadata=_arg("Model name reported by the OpenAI API (defaults to the model path)."))
+    revision: Optional[str] = field(default=None, metadata=_arg("Accepted for SGLang compatibility; local paths only."))
+
+    # HTTP server
+    host: str = field(default="127.0.0.1", metadata=_arg("HTTP host."))
+    port: int = field(default=30000, metadata=_arg("HTTP port."))
+    api_key: Optional[str] = field(default=None, metadata=_arg("Require this key as a Bearer token on every endpoint."))
+    stream_output: bool = field(default=False, metadata=_arg("Stream only the new text of each chunk (SGLang's stream_output)."))
+
+    # Memory and scheduling
+    mem_fraction_static: Optional[float] = field(default=None, metadata=_arg("Fraction of GPU memory for weights and KV cache."))
+    max_total_tokens: Optional[int] = field(default=None, metadata=_arg("Size of the KV pool in tokens (overrides the memory-based size)."))
+    max_running_requests: Optional[int] = field(default=None, metadata=_arg("Maximum running requests per DP rank."))
+    chunked_prefill_size: Optional[int] = field(default=None, metadata=_arg("Maximum prefill tokens per chunk; -1 disables chunking."))
+    max_prefill_tokens: int = field(default=16384, metadata=_arg("Maximum tokens in one prefill batch."))
+    schedule_policy: str = field(default="fcfs", metadata=_arg("Request ordering for prefill.", choices=("fcfs", "lpm")))
+    disable_radix_cache: bool = field(default=False, metadata=_arg("Turn prefix caching off."))
+    page_size: int = field(default=1, metadata=_arg("Tokens per KV page."))
+    disable_overlap_schedule: bool = field(default=False, metadata=_arg("Run scheduling and the forward one after the other (this engine never overlaps them)."))
+    watchdog_timeout: float = field(default=300, metadata=_arg("Seconds a scheduler may be stuck in one step before the server exits."))
+
+    # Kernels and CUDA graphs
+    attention_backend: Optional[str] = field(default=None, metadata=_arg("Attention kernels; torch_native on CPU.", choices=ATTENTION_BACKENDS))
+    disable_cuda_graph: bool = field(default=False, metadata=_arg("Run every forward eagerly."))
+    disable_cuda_graph_padding: bool = field(default=False, metadata=_arg("Use CUDA graphs only for batch sizes captured exactly (no padding)."))
+    cuda_graph_max_bs: Optional[int] = field(default=None, metadata=_arg("Largest per-rank batch size captured in a CUDA graph."))
+    cuda_graph_bs: Optional[list[int]] = field(default=None, metadata=_arg("Batch sizes to capture.", nargs="+", type=int))
+    enable_nan_detection: bool = field(default=False, metadata=_arg("Detect NaN logits and report them instead of sampling."))
+
+    # Parallelism
+    tp_size: int = field(default=1, metadata=_arg("Tensor-parallel size.", flags=("--tensor-parallel-size", "--tp-size")))
+    dp_size: int = field(default=1, metadata=_arg("Data-parallel size.", flags=("--data-parallel-size", "--dp-size")))
+    enable_dp_attention: bool = field(default=False, metadata=_arg("Data-parallel attention with tensor-parallel MLP/MoE."))
+    dist_init_addr: Optional[str] = field(default=None, metadata=_arg("host:port of rank 0 for torch.distributed across nodes."))
+    nnodes: int = field(default=1, metadata=_arg("Number of nodes."))
+    node_rank: int = field(default=0, metadata=_arg("Rank of this node."))
+
+    # Speculative decoding
+    speculative_algorithm: Optional[str] = field(default=None, metadata=_arg("Speculative decoding algorithm.", choices=SPECULATIVE_ALGORITHMS))
+    speculative_draft_model_path: Optional[str] = field(default=None, metadata=_arg("Draft model path (NEXTN defaults to the target checkpoint)."))
+    speculative_num_steps: Optional[int] = field(default=None, metadata=_arg("Draft steps per cycle."))
+    speculative_eagle_topk: Optional[int] = field(default=None, metadata=_arg("Branching factor of the draft tree per step."))
+    speculative_num_draft_tokens: Optional[int] = field(default=None, metadata=_arg("Tokens verified per request per cycle."))
+
+    # Observability
+    log_level: str = field(default="info", metadata=_arg("Logging level.", choices=("debug", "info", "warning", "error")))
+    log_requests: bool = field(default=False, metadata=_arg("Log the metadata of every request."))
+    enable_metrics: bool = field(default=False, metadata=_arg("Serve Prometheus metrics at /metrics."))
+    random_seed: Optional[int] = field(default=None, metadata=_arg("Seed for weight init (dummy) and sampling."))
+    debug_collectives: bool = field(default=False, metadata=_arg("Check every step that all ranks agree on the batch plan."))
+
+    def __post_init__(self) -> None:
+        self._resolve_defaults()
+        self.check()
+
+    # ------------------------------------------------------------------ defaults
+    def _resolve_defaults(self) -> None:
+        if self.device is None:
+            self.device = "cuda" if _cuda_available() else "cpu"
+        if self.tokenizer_path is None:
+            self.tokenizer_path = self.model_path
+        if self.served_model_name is None:
+            self.served_model_name = self.model_path
+        if self.attention_backend is None:
+            self.attention_backend = "torch_native"
+        if self.random_seed is None:
+            self.random_seed = 42
+        if self.chunked_prefill_size is None:
+            self.chunked_prefill_size = 8192 if self.device == "cuda" else 2048
+        if self.mem_fraction_static is None:
+            self.mem_fraction_static = 0.88
+        if self.device == "cpu":
+            self.disable_cuda_graph = True
+        if self.speculative_algorithm == "NEXTN":
+            # NEXTN is EAGLE with the DeepSeek MTP layer as draft (as in SGLang).
+            if self.speculative_draft_model_path is None:
+                self.speculative_draft_model_path = self.model_path
+
+    # ------------------------------------------------------------------ validation
+    def check(self) -> None:
+        """Fail with a message that names the offending flag."""
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.enable_dp_attention:
+            if self.dp_size == 1:
+                raise ValueError("--enable-dp-attention needs --dp-size > 1")
+            if self.tp_size % self.dp_size != 0:
+                raise ValueError(f"--tp-size ({self.tp_size}) must be divisible by --dp-size ({self.dp_size}) with --enable-dp-attention")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes); got {self.node_rank} with --nnodes {self.nnodes}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr host:port")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"--context-length must be >= 1, got {self.context_length}")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"--max-total-tokens must be >= 1, got {self.max_total_tokens}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError(f"--chunked-prefill-size must be -1 or positive, got {self.chunked_prefill_size}")
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.watchdog_timeout <= 0:
+            raise ValueError(f"--watchdog-timeout must be positive, got {self.watchdog_timeout}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.cuda_graph_bs is not None and any(b < 1 for b in self.cuda_graph_bs):
+            raise ValueError("--cuda-graph-bs values must be >= 1")
+        if self.device == "cpu" and self.attention_backend != "torch_native":
+            raise ValueError(f"--attention-backend {self.attention_backend} needs CUDA; use torch_native on CPU")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        spec_flags = {
+            "--speculative-draft-model-path": self.speculative_draft_model_path,
+            "--speculative-num-steps": self.speculative_num_steps,
+            "--speculative-eagle-topk": self.speculative_eagle_topk,
+            "--speculative-num-draft-tokens": self.speculative_num_draft_tokens,
+        }
+        if self.speculative_algorithm is None:
+            given = [k for k, v in spec_flags.items() if v is not None]
+            if given:
+                raise ValueError(f"{given[0]} needs --speculative-algorithm")
+            return
+        for name, value in list(spec_flags.items())[1:]:
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.speculative_algorithm in ("EAGLE", "EAGLE3") and self.speculative_draft_model_path is None:
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} needs --speculative-draft-model-path")
+
+    def not_supported_yet(self) -> Optional[str]:
+        """The message for the first requested feature that is not implemented yet."""
+        for predicate, message in _NOT_SUPPORTED_YET:
+            if predicate(self):
+                return message
+        return None
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def attn_tp_size(self) -> int:
+        return self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
+
+
+_NOT_SUPPORTED_YET.extend(
+    [
+        (lambda a: a.page_size != 1, "--page-size other than 1 is not supported yet"),
+        (lambda a: a.attention_backend in ("triton", "flashinfer"),
+         "--attention-backend triton/flashinfer is not supported yet; use torch_native"),
+        (lambda a: a.tp_size > 1 or a.dp_size > 1 or a.nnodes > 1,
+         "--tp-size/--dp-size/--nnodes > 1 are not supported yet"),
+        (lambda a: a.speculative_algorithm is not None, "--speculative-algorithm is not supported yet"),
+    ]
+)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _flag_names(f: dataclasses.Field) -> list[str]:
+    return list(f.metadata.get("flags") or ()) or ["--" + f.name.replace("_", "-")]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m sglang.launch_server", allow_abbrev=True)
+    hints = typing.get_type_hints(ServerArgs)
+    for f in dataclasses.fields(ServerArgs):
+        meta = dict(f.metadata)
+        kwargs: dict[str, Any] = {"dest": f.name, "help": meta.get("help")}
+        if meta.get("choices"):
+            kwargs["choices"] = meta["choices"]
+        if meta.get("required"):
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = f.default
+        base = _base_type(hints[f.name])
+        if base is bool:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = meta.get("type", base)
+            if "nargs" in meta:
+                kwargs["nargs"] = meta["nargs"]
+        parser.add_argument(*_flag_names(f), **kwargs)
+    return parser
+
+
+def _base_type(hint) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is list:
+        return list
+    if args:
+        return _base_type(args[0])
+    return hint
+
+
+def prepare_server_args(argv: list[str]) -> ServerArgs:
+    """Parse a command line into ServerArgs; invalid values exit with the flag named."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return ServerArgs(**vars(ns))
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits
+
+
+@dataclass(frozen=True)
+class PortArgs:
+    """ZMQ endpoints between the processes (ipc:// paths in a private temp dir)."""
+
+    # TokenizerManager -> DataParallelController or scheduler rank 0 (requests, control)
+    scheduler_input_ipc_name: str
+    # Schedulers -> DetokenizerManager (BatchTokenIDOut)
+    detokenizer_ipc_name: str
+    # DetokenizerManager and schedulers -> TokenizerManager (BatchStrOut, control replies)
+    tokenizer_ipc_name: str
+    # torch.distributed init method between scheduler ranks
+    nccl_port: int
+
+    @classmethod
+    def init_new(cls, server_args: ServerArgs) -> "PortArgs":
+        import socket
+        import tempfile
+
+        run_dir = tempfile.mkdtemp(prefix="sglang-")
+        if server_args.dist_init_addr:
+            nccl_port = int(server_args.dist_init_addr.rsplit(":", 1)[1])
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                nccl_port = s.getsockname()[1]
+        return cls(
+            scheduler_input_ipc_name=f"ipc://{run_dir}/scheduler_input",
+            detokenizer_ipc_name=f"ipc://{run_dir}/detokenizer",
+            tokenizer_ipc_name=f"ipc://{run_dir}/tokenizer",
+            nccl_port=nccl_port,
+        )
