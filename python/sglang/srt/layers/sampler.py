@@ -1,0 +1,145 @@
+"""Batched sampling on the logits' device: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+One host round-trip per step: the caller copies the sampled ids (and logprobs) back once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatchInfo:
+    temperatures: torch.Tensor  # [B, 1]
+    top_ps: torch.Tensor  # [B]
+    top_ks: torch.Tensor  # [B] (vocab size where disabled)
+    min_ps: torch.Tensor  # [B]
+    all_greedy: bool
+    need_min_p: bool
+    # Penalties: None when no request in the batch uses them.
+    frequency_penalties: Optional[torch.Tensor] = None  # [B, 1]
+    presence_penalties: Optional[torch.Tensor] = None  # [B, 1]
+    repetition_penalties: Optional[torch.Tensor] = None  # [B, 1]
+    output_counts: Optional[torch.Tensor] = None  # [B, V] counts of generated tokens
+    seen_mask: Optional[torch.Tensor] = None  # [B, V] prompt or output tokens
+    generators: Optional[list[Optional[torch.Generator]]] = None
+
+    @classmethod
+    def from_requests(
+        cls,
+        params: Sequence[SamplingParams],
+        token_histories: Sequence[tuple[list[int], list[int]]],
+        generators: Sequence[Optional[torch.Generator]],
+        vocab_size: int,
+        device: str,
+    ) -> "SamplingBatchInfo":
+        """token_histories: (prompt ids, output ids) per request, read only when penalties are on."""
+
+        def col(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        temps = [1.0 if p.is_greedy else p.temperature for p in params]
+        top_ks = [vocab_size if (p.top_k < 0 or p.top_k > vocab_size) else p.top_k for p in params]
+        info = cls(
+            temperatures=col(temps).view(-1, 1),
+            top_ps=col([p.top_p for p in params]),
+            top_ks=col([1 if p.is_greedy else k for p, k in zip(params, top_ks)], torch.int64),
+            min_ps=col([p.min_p for p in params]),
+            all_greedy=all(p.is_greedy for p in params),
+            need_min_p=any(p.min_p > 0 for p in params),
+            generators=list(generators) if any(g is not None for g in generators) else None,
+        )
+        if any(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0 for p in params):
+            info._init_penalties(params, token_histories, vocab_size, device)
+        return info
+
+    def _init_penalties(self, params, token_histories, vocab_size: int, device: str) -> None:
+        bs = len(params)
+        counts = torch.zeros((bs, vocab_size), dtype=torch.float32, device=device)
+        seen = torch.zeros((bs, vocab_size), dtype=torch.bool, device=device)
+        for i, (prompt, output) in enumerate(token_histories):
+            if output:
+                out = torch.tensor(output, dtype=torch.int64, device=device)
+                counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+                seen[i, out] = True
+            seen[i, torch.tensor(prompt, dtype=torch.int64, device=device)] = True
+        self.output_counts, self.seen_mask = counts, seen
+        col = lambda v: torch.tensor(v, dtype=torch.float32, device=device).view(-1, 1)  # noqa: E731
+        self.frequency_penalties = col([p.frequency_penalty for p in params])
+        self.presence_penalties = col([p.presence_penalty for p in params])
+        self.repetition_penalties = col([p.repetition_penalty for p in params])
+
+    def apply_penalties(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.output_counts is None:
+            return logits
+        logits = logits - self.frequency_penalties * self.output_counts
+        logits = logits - self.presence_penalties * (self.output_counts > 0)
+        rep = torch.where(self.seen_mask, self.repetition_penalties, torch.ones_like(logits))
+        return torch.where(logits > 0, logits / rep, logits * rep)
+
+
+@dataclass
+class SampleOutput:
+    next_token_ids: torch.Tensor  # [B] int64
+    logprobs: Optional[torch.Tensor] = None  # [B] logprob of the chosen token
+    top_logprobs: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # ([B, K] values, [B, K] ids)
+
+
+class Sampler:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> SampleOutput:
+        logits = info.apply_penalties(logits.float())
+        if info.all_greedy:
+            next_ids = torch.argmax(logits, dim=-1)
+        else:
+            probs = self.filtered_probs(logits, info)
+            next_ids = self._draw(probs, info.generators)
+        out = SampleOutput(next_ids)
+        if return_logprob:
+            logprobs = torch.log_softmax(logits, dim=-1)
+            out.logprobs = logprobs.gather(1, next_ids.view(-1, 1)).squeeze(1)
+            if top_logprobs_num > 0:
+                out.top_logprobs = torch.topk(logprobs, top_logprobs_num, dim=-1)
+        return out
+
+    @staticmethod
+    def filtered_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Temperature-scaled probabilities after top-k, top-p and min-p (greedy rows: one-hot)."""
+        probs = torch.softmax(logits / info.temperatures, dim=-1)
+        probs = _top_k_top_p(probs, info.top_ks, info.top_ps)
+        if info.need_min_p:
+            threshold = probs.max(dim=-1, keepdim=True).values * info.min_ps.view(-1, 1)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+    @staticmethod
+    def _draw(probs: torch.Tensor, generators: Optional[list[Optional[torch.Generator]]]) -> torch.Tensor:
+        if generators is None:
+            return torch.multinomial(probs, 1).squeeze(1)
+        # Seeded rows draw from their own generator so results do not depend on the batch.
+        out = torch.multinomial(probs, 1).squeeze(1)
+        for i, g in enumerate(generators):
+            if g is not None:
+                out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+        return out
+
+
+def _top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1], device=probs.device).view(1, -1)
+    drop = ranks >= top_ks.view(-1, 1)
+    # Keep the smallest prefix whose mass reaches top_p (always at least the first token).
+    cum_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= cum_before > top_ps.view(-1, 1)
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)

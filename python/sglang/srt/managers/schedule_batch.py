@@ -1,0 +1,132 @@
+"""Requests as the scheduler tracks them, and the batches it runs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: Optional[dict[str, Any]] = None
+    # Memory: row in the request->token table and how many tokens have KV in the pool.
+    req_pool_idx: Optional[int] = None
+    kv_len: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    last_node: Any = None  # radix node locked by this request
+    prefix_slots: Optional[torch.Tensor] = None  # matched cached prefix, before it is claimed
+    cache_prefix_len: int = 0  # tokens of this request owned by the radix tree
+    # Token budget of the current extend chunk (set by the policy).
+    extend_len: int = 0
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    spec_verify_ct: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    to_abort: bool = False
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def pending_extend(self) -> int:
+        """Tokens still to extend before sampling (a matched prefix counts as done)."""
+        done = self.kv_len if self.req_pool_idx is not None else self.cached_tokens
+        return self.seq_len - done
+
+    def check_finished(self, eos_ids: set[int], context_len: int, tail_text: Optional[str]) -> None:
+        """Set finished_reason after output_ids grew; tail_text is the decoded end of the output."""
+        if self.finished:
+            return
+        params = self.sampling_params
+        n_out = len(self.output_ids)
+        if n_out >= params.max_new_tokens:
+            self.finished_reason = {"type": "length", "length": params.max_new_tokens}
+            return
+        if self.seq_len >= context_len:
+            self.finished_reason = {"type": "length", "length": n_out}
+            return
+        if n_out <= params.min_new_tokens:
+            return
+        last = self.output_ids[-1]
+        if last in params.stop_token_ids or (not params.ignore_eos and last in eos_ids):
+            self.finished_reason = {"type": "stop", "matched": last}
+            return
+        if tail_text is not None:
+            for stop in params.stop:
+                if stop in tail_text:
+                    self.finished_reason = {"type": "stop", "matched": stop}
+                    return
+
+
+@dataclass
+class ScheduleBatch:
+    """Requests that run one forward together, with the KV slots their new tokens use."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    input_ids: list[int]
+    positions: list[int]
+    out_cache_loc: torch.Tensor
+    seq_lens: list[int]
+    extend_lens: list[int]
+    prefix_lens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def for_extend(cls, reqs: list[Req], out_cache_loc: torch.Tensor) -> "ScheduleBatch":
+        """Each req extends all_ids[kv_len : kv_len + extend_len] (a retracted request re-extends its output too)."""
+        input_ids, positions, seq_lens, extend_lens, prefix_lens = [], [], [], [], []
+        for r in reqs:
+            start, end = r.kv_len, r.kv_len + r.extend_len
+            input_ids += r.all_ids[start:end]
+            positions += range(start, end)
+            seq_lens.append(end)
+            extend_lens.append(r.extend_len)
+            prefix_lens.append(start)
+        return cls(ForwardMode.EXTEND, reqs, input_ids, positions, out_cache_loc, seq_lens, extend_lens, prefix_lens)
+
+    @classmethod
+    def for_decode(cls, reqs: list[Req], out_cache_loc: torch.Tensor) -> "ScheduleBatch":
+        """Each req feeds its last sampled token, whose KV is not in the pool yet."""
+        input_ids = [r.output_ids[-1] for r in reqs]
+        positions = [r.seq_len - 1 for r in reqs]
+        seq_lens = [r.seq_len for r in reqs]
+        return cls(ForwardMode.DECODE, reqs, input_ids, positions, out_cache_loc, seq_lens, [1] * len(reqs), [s - 1 for s in seq_lens])
+
+    def to_forward_batch(self, device: str) -> ForwardBatch:
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        return ForwardBatch(
+            mode=self.mode,
+            batch_size=len(self.reqs),
+            input_ids=t(self.input_ids),
+            positions=t(self.positions),
+            out_cache_loc=self.out_cache_loc.to(device),
+            req_pool_indices=t([r.req_pool_idx for r in self.reqs]),
+            seq_lens=t(self.seq_lens),
+            extend_seq_lens=t(self.extend_lens),
+            seq_lens_cpu=list(self.seq_lens),
+            extend_seq_lens_cpu=list(self.extend_lens),
+        )

@@ -1,0 +1,123 @@
+"""Owns one model on one device: weights, KV memory, attention backend, and the forward call."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.layers.attention.base import AttentionBackend
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.mem_cache.memory_pool import (
+    KVPool,
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+)
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_loader import get_model
+from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_BUDGET_BYTES = 1 << 30  # the KV pool's size on CPU unless --max-total-tokens says otherwise
+_GIB = 1 << 30
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        server_args: ServerArgs,
+        gpu_id: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        req_to_token_pool: Optional[ReqToTokenPool] = None,
+        token_allocator: Optional[TokenToKVPoolAllocator] = None,
+    ):
+        """A draft runner passes the target's req_to_token_pool and allocator (shared slots)."""
+        self.model_config = model_config
+        self.server_args = server_args
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.device = f"cuda:{gpu_id}" if server_args.device == "cuda" else "cpu"
+        if server_args.device == "cuda":
+            torch.cuda.set_device(gpu_id)
+        self.dtype = model_config.dtype
+        self.model = get_model(model_config, server_args.load_format, self.device, seed=server_args.random_seed)
+        # One KV layer per attention module (a NextN draft has one; its layer id is 0).
+        self.num_kv_layers = sum(isinstance(m, RadixAttention) for m in self.model.modules())
+        self.kv_bytes_per_token = self._kv_bytes_per_token()
+        self.max_total_num_tokens = self._profile_max_num_tokens(token_allocator)
+        self.max_running_requests = self._max_running_requests()
+        self.req_to_token_pool = req_to_token_pool or ReqToTokenPool(
+            self.max_running_requests, model_config.context_len + 8, self.device
+        )
+        self.token_allocator = token_allocator or TokenToKVPoolAllocator(self.max_total_num_tokens, self.device)
+        self.kv_pool = self._make_kv_pool()
+        self.attn_backend: AttentionBackend = TorchNativeAttnBackend()
+        logger.info(
+            "KV cache: %d tokens, %.1f KiB per token, %.2f GiB total; max running requests %d",
+            self.max_total_num_tokens,
+            self.kv_bytes_per_token / 1024,
+            self.max_total_num_tokens * self.kv_bytes_per_token / _GIB,
+            self.max_running_requests,
+        )
+
+    # ------------------------------------------------------------------ memory
+    def _kv_bytes_per_token(self) -> int:
+        cfg = self.model_config
+        itemsize = self.dtype.itemsize
+        if cfg.is_mla:
+            return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize * self.num_kv_layers
+        kv_heads = max(1, cfg.num_key_value_heads // self.tp_size)
+        return 2 * kv_heads * cfg.head_dim * itemsize * self.num_kv_layers
+
+    def _profile_max_num_tokens(self, shared_allocator: Optional[TokenToKVPoolAllocator]) -> int:
+        if shared_allocator is not None:
+            return shared_allocator.size
+        if self.server_args.device == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            budget = free - total * (1 - self.server_args.mem_fraction_static)
+            if budget <= 0:
+                raise RuntimeError(
+                    f"Not enough GPU memory for the KV cache after loading weights "
+                    f"({free / _GIB:.1f} GiB free); raise --mem-fraction-static"
+                )
+        else:
+            budget = _CPU_KV_BUDGET_BYTES
+        tokens = int(budget // self.kv_bytes_per_token)
+        if self.server_args.max_total_tokens is not None:
+            tokens = min(tokens, self.server_args.max_total_tokens)
+        if tokens < 16:
+            raise RuntimeError(f"KV cache too small ({tokens} tokens); raise --mem-fraction-static")
+        return tokens
+
+    def _max_running_requests(self) -> int:
+        if self.server_args.max_running_requests is not None:
+            return self.server_args.max_running_requests
+        cap = 4096 if self.server_args.device == "cuda" else 128
+        return max(1, min(cap, self.max_total_num_tokens // 2))
+
+    def _make_kv_pool(self) -> KVPool:
+        cfg = self.model_config
+        size = self.token_allocator.size
+        if cfg.is_mla:
+            return MLATokenToKVPool(
+                size, self.dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim, self.num_kv_layers, self.device
+            )
+        kv_heads = max(1, cfg.num_key_value_heads // self.tp_size)
+        return MHATokenToKVPool(size, self.dtype, kv_heads, cfg.head_dim, self.num_kv_layers, self.device)
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        forward_batch.attn_backend = self.attn_backend
+        forward_batch.req_to_token_pool = self.req_to_token_pool
+        forward_batch.token_to_kv_pool = self.kv_pool
+        self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
