@@ -150,8 +150,6 @@ class ServerArgs:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.cuda_graph_bs is not None and any(b < 1 for b in self.cuda_graph_bs):
             raise ValueError("--cuda-graph-bs values must be >= 1")
-        if self.device == "cpu" and self.attention_backend != "torch_native":
-            raise ValueError(f"--attention-backend {self.attention_backend} needs CUDA; use torch_native on CPU")
         self._check_speculative()
 
     def _check_speculative(self) -> None:
@@ -178,6 +176,16 @@ class ServerArgs:
             if predicate(self):
                 return message
         return None
+
+    def check_launchable(self) -> None:
+        """Checks that depend on this machine and on what is implemented; run at launch, not parse."""
+        if self.device == "cpu" and self.attention_backend != "torch_native":
+            raise ValueError(f"--attention-backend {self.attention_backend} needs CUDA; use torch_native on CPU")
+        if self.device == "cuda" and not _cuda_available():
+            raise ValueError("--device cuda was given but CUDA is not available")
+        message = self.not_supported_yet()
+        if message:
+            raise ValueError(message)
 
     # ------------------------------------------------------------------ helpers
     @property

@@ -1,0 +1,63 @@
+import torch
+
+from sglang.srt.mem_cache.memory_pool import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.radix_cache import RadixCache
+
+
+def _cache(size=64):
+    alloc = TokenToKVPoolAllocator(size, "cpu")
+    return alloc, RadixCache(alloc)
+
+
+def _insert(cache, alloc, key):
+    slots = alloc.alloc(len(key))
+    done = cache.insert(key, slots)
+    alloc.free(slots[:done])
+    return slots
+
+
+def test_match_and_split():
+    alloc, cache = _cache()
+    slots = _insert(cache, alloc, [1, 2, 3, 4])
+    got, node = cache.match_prefix([1, 2, 9])
+    assert got.tolist() == slots[:2].tolist()
+    assert node.key == [1, 2]
+    got, _ = cache.match_prefix([1, 2, 3, 4, 5])
+    assert got.tolist() == slots.tolist()
+    assert cache.evictable_size == 4
+
+
+def test_insert_reports_duplicates_and_sizes_stay_consistent():
+    alloc, cache = _cache()
+    _insert(cache, alloc, [1, 2, 3])
+    before = alloc.available_size()
+    slots = alloc.alloc(5)
+    done = cache.insert([1, 2, 3, 7, 8], slots)
+    assert done == 3
+    alloc.free(slots[:done])
+    assert alloc.available_size() == before - 2
+    assert cache.evictable_size == 5
+
+
+def test_locked_nodes_are_not_evicted_and_lru_goes_first():
+    alloc, cache = _cache(16)
+    _insert(cache, alloc, [1, 2, 3])
+    _insert(cache, alloc, [4, 5, 6])
+    _, node = cache.match_prefix([1, 2, 3])
+    cache.inc_lock_ref(node)
+    assert cache.protected_size == 3 and cache.evictable_size == 3
+    assert cache.evict(100) == 3
+    assert cache.match_prefix([4, 5, 6])[0].numel() == 0
+    assert cache.match_prefix([1, 2, 3])[0].numel() == 3
+    cache.dec_lock_ref(node)
+    assert cache.evict(1) == 3
+    assert alloc.available_size() == 16
+
+
+def test_evict_cascades_to_parents():
+    alloc, cache = _cache(16)
+    _insert(cache, alloc, [1, 2, 3])
+    _insert(cache, alloc, [1, 2, 4])
+    assert cache.evict(16) == 4
+    assert alloc.available_size() == 16
+    assert cache.evictable_size == 0 and not cache.root.children

@@ -1,0 +1,65 @@
+import torch
+
+from sglang.srt.layers.sampler import Sampler, SamplingBatchInfo
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+
+def _info(params, histories=None, vocab=8, generators=None):
+    histories = histories or [([0], [])] * len(params)
+    generators = generators or [None] * len(params)
+    return SamplingBatchInfo.from_requests(params, histories, generators, vocab, "cpu")
+
+
+def test_greedy_and_mixed_batch():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 0.0], [5.0, 0.0, 0.0, 4.9]])
+    info = _info([SamplingParams(temperature=0), SamplingParams(temperature=0)], vocab=4)
+    assert Sampler()(logits, info).next_token_ids.tolist() == [1, 0]
+    info = _info([SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=1)], vocab=4)
+    assert Sampler()(logits, info).next_token_ids.tolist() == [1, 0]
+
+
+def test_top_k_top_p_min_p_restrict_support():
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(400, 1)
+    for params, allowed in [
+        (SamplingParams(top_k=2), {0, 1}),
+        (SamplingParams(top_p=0.7), {0, 1}),
+        (SamplingParams(min_p=0.5), {0, 1}),
+    ]:
+        info = _info([params] * 400, vocab=4)
+        drawn = set(Sampler()(logits, info).next_token_ids.tolist())
+        assert drawn == allowed, (params, drawn)
+
+
+def test_sampling_follows_distribution():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.6, 0.3, 0.1, 0.0])
+    logits = torch.log(probs).repeat(20000, 1)
+    ids = Sampler()(logits, _info([SamplingParams()] * 20000, vocab=4)).next_token_ids
+    freq = torch.bincount(ids, minlength=4).float() / ids.numel()
+    assert torch.allclose(freq, probs, atol=0.02)
+
+
+def test_seeded_rows_are_reproducible():
+    logits = torch.randn(3, 50)
+    def draw():
+        gens = [torch.Generator().manual_seed(7) for _ in range(3)]
+        return Sampler()(logits, _info([SamplingParams()] * 3, vocab=50, generators=gens)).next_token_ids
+    assert torch.equal(draw(), draw())
+
+
+def test_penalties_push_away_repeated_tokens():
+    logits = torch.tensor([[2.0, 1.9, 0.0]])
+    hist = [([2], [0, 0])]
+    out = Sampler()(logits, _info([SamplingParams(temperature=0, frequency_penalty=1.0)], hist, vocab=3))
+    assert out.next_token_ids.item() == 1
+    out = Sampler()(logits, _info([SamplingParams(temperature=0, repetition_penalty=1.1)], hist, vocab=3))
+    assert out.next_token_ids.item() == 1
+
+
+def test_logprobs():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    out = Sampler()(logits, _info([SamplingParams(temperature=0)], vocab=3), return_logprob=True, top_logprobs_num=2)
+    ref = torch.log_softmax(logits, -1)
+    assert torch.allclose(out.logprobs, ref[:, 2])
+    assert out.top_logprobs[1].tolist() == [[2, 1]]
