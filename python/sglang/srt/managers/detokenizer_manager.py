@@ -1,0 +1,133 @@
+"""The detokenizer process: BatchTokenIDOut (token ids) -> BatchStrOut (text so far).
+
+Decoding is incremental: for each request we keep the text already confirmed and two
+offsets into its output ids; every step decodes only a short window, so the cost per
+token stays constant, and a window whose text ends in an incomplete UTF-8 character
+('\ufffd') is held back until the next token completes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import zmq
+
+from sglang.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut
+from sglang.srt.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# Requests whose finish we never saw (e.g. lost on a crash) must not grow the table forever.
+_MAX_TRACKED_REQUESTS = 1 << 16
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class DecodeState:
+    text: str = ""  # confirmed text of output_ids[:read_offset]
+    surr_offset: int = 0  # start of the context window decoded together with new ids
+    read_offset: int = 0  # ids before this offset are in `text`
+
+
+def trim_matched_stop(text: str, finished_reason: Optional[dict[str, Any]], no_stop_trim: bool) -> str:
+    """Cut a finished request's text before the stop string it matched."""
+    if no_stop_trim or not finished_reason or finished_reason.get("type") != "stop":
+        return text
+    matched = finished_reason.get("matched")
+    if isinstance(matched, str):
+        pos = text.find(matched)
+        if pos != -1:
+            return text[:pos]
+    return text
+
+
+class IncrementalDetokenizer:
+    """Per-request incremental decoding over the full output ids sent at each step."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.states: OrderedDict[str, DecodeState] = OrderedDict()
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool, spaces_between_special_tokens: bool) -> str:
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens,
+        )
+
+    def step(
+        self,
+        rid: str,
+        output_ids: list[int],
+        finished_reason: Optional[dict[str, Any]],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        no_stop_trim: bool = False,
+    ) -> str:
+        """The text of `output_ids` so far (the whole of it once finished)."""
+        finished = finished_reason is not None
+        state = self.states.pop(rid, None) or DecodeState()
+        ids = output_ids
+        if finished and not no_stop_trim and isinstance((finished_reason or {}).get("matched"), int):
+            ids = ids[:-1]  # a matched stop token is not part of the text
+        kw = dict(skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens)
+        prefix = self._decode(ids[state.surr_offset : state.read_offset], **kw)
+        window = self._decode(ids[state.surr_offset :], **kw)
+        new_text = window[len(prefix) :]
+        if finished:
+            return trim_matched_stop(state.text + new_text, finished_reason, no_stop_trim)
+        if new_text and not new_text.endswith(_REPLACEMENT_CHAR):
+            state = DecodeState(state.text + new_text, state.read_offset, len(ids))
+        self.states[rid] = state
+        while len(self.states) > _MAX_TRACKED_REQUESTS:
+            self.states.popitem(last=False)
+        return state.text
+
+    def handle(self, recv: BatchTokenIDOut) -> BatchStrOut:
+        texts = [
+            self.step(
+                rid,
+                recv.output_ids[i],
+                recv.finished_reasons[i],
+                recv.skip_special_tokens[i],
+                recv.spaces_between_special_tokens[i],
+                recv.no_stop_trim[i],
+            )
+            for i, rid in enumerate(recv.rids)
+        ]
+        return BatchStrOut(
+            rids=recv.rids,
+            output_strs=texts,
+            output_ids=recv.output_ids,
+            finished_reasons=recv.finished_reasons,
+            prompt_tokens=recv.prompt_tokens,
+            completion_tokens=recv.completion_tokens,
+            cached_tokens=recv.cached_tokens,
+            output_token_logprobs=recv.output_token_logprobs,
+            output_top_logprobs=recv.output_top_logprobs,
+            spec_verify_ct=recv.spec_verify_ct,
+        )
+
+
+def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> None:
+    from sglang.srt.utils.hf_transformers_utils import get_tokenizer, resolve_model_path
+    from sglang.srt.utils.process import watch_parent
+
+    watch_parent()
+    logging.basicConfig(level=server_args.log_level.upper(), format="[%(asctime)s Detokenizer] %(message)s")
+    tokenizer = get_tokenizer(resolve_model_path(server_args.tokenizer_path), server_args.trust_remote_code)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    ctx = zmq.Context(2)
+    recv_from_scheduler = ctx.socket(zmq.PULL)
+    recv_from_scheduler.bind(port_args.detokenizer_ipc_name)
+    send_to_tokenizer = ctx.socket(zmq.PUSH)
+    send_to_tokenizer.connect(port_args.tokenizer_ipc_name)
+    while True:
+        recv = recv_from_scheduler.recv_pyobj()
+        if isinstance(recv, BatchTokenIDOut):
+            send_to_tokenizer.send_pyobj(detokenizer.handle(recv))
+        else:
+            logger.error("Detokenizer got an unknown message: %r", type(recv))
