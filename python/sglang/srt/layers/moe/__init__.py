@@ -1,0 +1,1 @@
+"""Mixture-of-experts layers: routing (topk) and expert computation (fused_moe)."""

@@ -1,0 +1,73 @@
+"""Expert routing for DeepSeek-style MoE layers.
+
+DeepSeek-V2: softmax scores; top-k over all experts ("greedy") or over the best
+`topk_group` groups ranked by their best expert ("group_limited_greedy").
+DeepSeek-V3: sigmoid scores; groups ranked by the sum of their two best bias-corrected
+scores, experts chosen by bias-corrected score, weighted by the uncorrected score
+("noaux_tc"). Weights are optionally renormalized, then multiplied by routed_scaling_factor.
+Everything is computed in float32 and accepts 0 rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    top_k: int
+    num_experts: int
+    scoring_func: str = "softmax"  # "softmax" | "sigmoid"
+    topk_method: str = "greedy"  # one of TOPK_METHODS
+    num_expert_group: Optional[int] = None
+    topk_group: Optional[int] = None
+    renormalize: bool = False
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"unsupported topk_method {self.topk_method!r}; expected one of {TOPK_METHODS}")
+        if self.scoring_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported scoring_func {self.scoring_func!r}")
+        if self.topk_method != "greedy" and (
+            not self.num_expert_group or not self.topk_group or self.num_experts % self.num_expert_group
+        ):
+            raise ValueError(f"{self.topk_method} needs n_group dividing the experts and topk_group")
+
+
+def _mask_to_top_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float) -> torch.Tensor:
+    """Keep the experts of the `topk_group` best groups; set every other expert to `fill`."""
+    num_tokens, num_groups = group_scores.shape
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    expert_mask = group_mask[:, :, None].expand(num_tokens, num_groups, scores.shape[-1] // num_groups)
+    return scores.masked_fill(~expert_mask.reshape(num_tokens, -1), fill)
+
+
+def select_experts(
+    router_logits: torch.Tensor, cfg: RoutingConfig, correction_bias: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits: [T, E]. Returns (weights [T, k] float32, expert ids [T, k] int64)."""
+    logits = router_logits.float()
+    scores = logits.softmax(dim=-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
+    num_tokens = scores.shape[0]
+    if cfg.topk_method == "noaux_tc":
+        choice = scores + correction_bias.float() if correction_bias is not None else scores
+        grouped = choice.view(num_tokens, cfg.num_expert_group, -1)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+        choice = _mask_to_top_groups(choice, group_scores, cfg.topk_group, float("-inf"))
+        topk_ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_ids)
+    else:
+        if cfg.topk_method == "group_limited_greedy":
+            group_scores = scores.view(num_tokens, cfg.num_expert_group, -1).amax(dim=-1)
+            scores = _mask_to_top_groups(scores, group_scores, cfg.topk_group, 0.0)
+        topk_weights, topk_ids = torch.topk(scores, k=cfg.top_k, dim=-1, sorted=False)
+    if cfg.renormalize:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * cfg.routed_scaling_factor, topk_ids
