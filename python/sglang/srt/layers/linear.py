@@ -1,0 +1,161 @@
+"""Linear layers sharded over the tensor-parallel group.
+
+Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that takes
+the full (unsharded) checkpoint tensor and copies this rank's slice into place.
+Weights are stored [out_features, in_features] like nn.Linear.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.srt.distributed.parallel_state import (
+    get_tp_rank,
+    get_tp_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+
+def _divide(n: int, d: int) -> int:
+    if n % d:
+        raise ValueError(f"{n} is not divisible by tensor-parallel size {d}")
+    return n // d
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"shape mismatch loading weight: parameter {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}")
+    dst.copy_(src)
+
+class LinearBase(nn.Module):
+    """y = x W^T + b with a local weight of shape [out_local, in_local]."""
+
+    def __init__(self, in_local: int, out_local: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+class ReplicatedLinear(LinearBase):
+    """Same full weight on every rank."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        _copy(param.data, loaded_weight)
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; rank r holds rows [r*out/tp, (r+1)*out/tp)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False):
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.output_size_per_partition = _divide(output_size, self.tp_size)
+        self.gather_output = gather_output
+        super().__init__(input_size, self.output_size_per_partition, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        n = param.shape[0]
+        _copy(param.data, loaded_weight.narrow(0, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stacked in one weight (e.g. gate_up_proj).
+
+    Each rank holds its slice of every sub-matrix, concatenated in order; shard_id is the
+    sub-matrix index.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, gather_output: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, gather_output)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Optional[int] = None) -> None:
+        if shard_id is None:  # a checkpoint that already stores the merged weight
+            sizes = self.output_sizes
+            for i, part in enumerate(loaded_weight.split(sizes, dim=0)):
+                self.weight_loader(param, part, i)
+            return
+        size = _divide(self.output_sizes[shard_id], self.tp_size)
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        _copy(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size))
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection; heads split across ranks.
+
+    With more ranks than KV heads, each KV head is replicated on tp_size / num_kv_heads ranks.
+    Local layout: [q heads | k heads | v heads].
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+    ):
+        tp_size = get_tp_size()
+        self.head_size = head_size
+        self.num_heads = _divide(total_num_heads, tp_size)
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.kv_replicas = _divide(tp_size, total_num_kv_heads)
+        else:
+            self.num_kv_heads = _divide(total_num_kv_heads, tp_size)
+            self.kv_replicas = 1
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+        total_out = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
+        super().__init__(hidden_size, total_out, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Optional[str] = None) -> None:
+        if shard_id is None:
+            raise ValueError("QKVParallelLinear needs shard_id 'q', 'k' or 'v'")
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp_rank
+        else:
+            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
+            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
+        _copy(param.data.narrow(0, offset, size), loaded_weight.narrow(0, rank * size, size))
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed over the group.
+
+    The bias is added once, after the reduction.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True):
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.input_size_per_partition = _divide(input_size, self.tp_size)
+        self.reduce_results = reduce_results
+        super().__init__(self.input_size_per_partition, output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # bias: replicated
+            _copy(param.data, loaded_weight)
+            return
+        n = param.shape[1]
+        _copy(param.data, loaded_weight.narrow(1, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = tensor_model_parallel_all_reduce(y)
+        return y + self.bias if self.bias is not None else y

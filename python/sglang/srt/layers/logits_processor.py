@@ -1,0 +1,52 @@
+"""Final projection to vocabulary logits, on the rows the batch asks for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.srt.distributed.parallel_state import tensor_model_parallel_all_gather
+from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+
+# Modes where every token row gets logits (no per-request "last token" pruning).
+_ALL_ROWS_MODES = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE, ForwardMode.IDLE)
+
+
+@dataclass
+class LogitsProcessorOutput:
+    next_token_logits: torch.Tensor  # [rows, vocab] float32
+    # Per capture_hidden_mode: None, the logits rows' hidden states, or all rows' (a fresh tensor).
+    hidden_states: Optional[torch.Tensor] = None
+
+
+class LogitsProcessor(nn.Module):
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(
+        self, hidden_states: torch.Tensor, lm_head: VocabParallelEmbedding, forward_batch: ForwardBatch
+    ) -> LogitsProcessorOutput:
+        """hidden_states: [T, hidden] after the final norm."""
+        if forward_batch.logits_indices is not None:
+            rows = hidden_states[forward_batch.logits_indices]
+        elif forward_batch.mode in _ALL_ROWS_MODES:
+            rows = hidden_states
+        else:
+            rows = hidden_states[forward_batch.last_token_indices()]
+        logits = F.linear(rows, lm_head.weight, getattr(lm_head, "bias", None))
+        logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, : self.vocab_size].float()
+
+        mode = forward_batch.capture_hidden_mode
+        if mode == CaptureHiddenMode.FULL:
+            hidden = hidden_states.clone()
+        elif mode == CaptureHiddenMode.LAST:
+            hidden = rows.clone() if rows is hidden_states else rows
+        else:
+            hidden = None
+        return LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden)

@@ -1,0 +1,12 @@
+"""Qwen2: the Llama decoder with biases on the q/k/v projections."""
+
+from __future__ import annotations
+
+from sglang.srt.models.llama import LlamaForCausalLM
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+EntryClass = Qwen2ForCausalLM
