@@ -1,0 +1,336 @@
+"""DeepSeek-V2 / V3: multi-head latent attention (MLA) and a MoE with shared experts.
+
+MLA runs in the weight-absorbed form for every mode: the query's no-rope part is mapped
+into the latent space (q_nope @ W_UK), attention runs over the cached latent ‖ k_rope
+vectors (one KV "head" of kv_lora_rank + qk_rope_head_dim), and the latent output is
+mapped back per head (o_latent @ W_UV^T) before o_proj. W_UK / W_UV are views of
+kv_b_proj's weight, so there is no derived state to rebuild after loading.
+
+Tensor parallelism: attention heads are split across ranks (q_b_proj / q_proj / kv_b_proj
+column-parallel, o_proj row-parallel); the routed experts and the shared experts are split
+along their intermediate dimension and their partial sums are all-reduced once per layer.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from sglang.srt.distributed.parallel_state import get_tp_size, tensor_model_parallel_all_reduce
+from sglang.srt.layers.activation import SiluAndMul
+from sglang.srt.layers.deepseek_rotary import yarn_get_mscale
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from sglang.srt.layers.moe.fused_moe import FusedMoE
+from sglang.srt.layers.moe.topk import RoutingConfig
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.layers.rotary_embedding import get_rope, get_rope_params
+from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+# HF dense-MLP names fused into gate_up_proj: (param fragment, checkpoint fragment, shard id).
+_GATE_UP_MAPPING = ((".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1))
+_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def mla_softmax_scale(config: PretrainedConfig) -> float:
+    """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under YaRN scaling."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    _, scaling = get_rope_params(config)
+    if scaling is not None and scaling.get("mscale_all_dim"):
+        m = yarn_get_mscale(scaling["factor"], scaling["mscale_all_dim"])
+        scale = scale * m * m
+    return scale
+
+
+def routing_config(config: PretrainedConfig) -> RoutingConfig:
+    """Routing from the config; HF's DeepseekV3Config drops scoring_func/topk_method, so the
+    model type supplies DeepSeek's defaults (V3: sigmoid + noaux_tc, V2: softmax + greedy)."""
+    is_v3 = config.model_type == "deepseek_v3"
+    return RoutingConfig(
+        top_k=config.num_experts_per_tok,
+        num_experts=config.n_routed_experts,
+        scoring_func=getattr(config, "scoring_func", None) or ("sigmoid" if is_v3 else "softmax"),
+        topk_method=getattr(config, "topk_method", None) or ("noaux_tc" if is_v3 else "greedy"),
+        num_expert_group=getattr(config, "n_group", None),
+        topk_group=getattr(config, "topk_group", None),
+        renormalize=bool(getattr(config, "norm_topk_prob", False)),
+        routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
+    )
+
+
+def is_moe_layer(config: PretrainedConfig, layer_idx: int) -> bool:
+    return (
+        getattr(config, "n_routed_experts", None) is not None
+        and layer_idx >= (getattr(config, "first_k_dense_replace", 0) or 0)
+        and layer_idx % (getattr(config, "moe_layer_freq", 1) or 1) == 0
+    )
+
+
+class DeepseekV2MLP(nn.Module):
+    """SiLU-gated MLP; with reduce_results=False it returns this rank's partial sum."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, reduce_results: bool = True):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce_results=reduce_results)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class MoEGate(nn.Module):
+    """Router logits in float32; V3 adds a per-expert bias used only for expert choice."""
+
+    def __init__(self, config: PretrainedConfig, with_correction_bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size), requires_grad=False)
+        if with_correction_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(config.n_routed_experts, dtype=torch.float32), requires_grad=False
+            )
+        else:
+            self.register_parameter("e_score_correction_bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.float(), self.weight.float())
+
+
+class DeepseekV2MoE(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        routing = routing_config(config)
+        self.gate = MoEGate(config, with_correction_bias=routing.topk_method == "noaux_tc")
+        self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, routing)
+        n_shared = getattr(config, "n_shared_experts", None) or 0
+        self.shared_experts = (
+            DeepseekV2MLP(config.hidden_size, config.moe_intermediate_size * n_shared, reduce_results=False)
+            if n_shared
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return tensor_model_parallel_all_reduce(out)
+
+
+class DeepseekV2Attention(nn.Module):
+    """MLA in the weight-absorbed form over the latent KV cache (layer `attn_layer_id` of the pool)."""
+
+    def __init__(self, config: PretrainedConfig, attn_layer_id: int):
+        super().__init__()
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        total_heads = config.num_attention_heads
+        if total_heads % get_tp_size():
+            raise ValueError(f"num_attention_heads {total_heads} is not divisible by tp size {get_tp_size()}")
+        self.num_heads = total_heads // get_tp_size()
+        hidden = config.hidden_size
+        bias = bool(getattr(config, "attention_bias", False))
+        if self.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_heads * qk_head_dim)
+        else:
+            self.q_proj = ColumnParallelLinear(hidden, total_heads * qk_head_dim)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, total_heads * (self.qk_nope_head_dim + self.v_head_dim))
+        self.o_proj = RowParallelLinear(total_heads * self.v_head_dim, hidden, bias=bias)
+        base, scaling = get_rope_params(config)
+        self.rotary_emb = get_rope(
+            self.qk_rope_head_dim,
+            self.qk_rope_head_dim,
+            config.max_position_embeddings,
+            base,
+            scaling,
+            is_neox_style=False,  # DeepSeek rotates interleaved pairs
+        )
+        self.attn = RadixAttention(
+            self.num_heads,
+            self.kv_lora_rank + self.qk_rope_head_dim,
+            mla_softmax_scale(config),
+            num_kv_heads=1,
+            layer_id=attn_layer_id,
+            v_head_dim=self.kv_lora_rank,
+        )
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of kv_b_proj: W_UK [H, nope, L] and W_UV [H, v, L]."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        else:
+            q = self.q_proj(hidden_states)
+        q = q.view(num_tokens, self.num_heads, -1)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
+        w_uk, w_uv = self._absorbed_weights()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
+        q_full = torch.cat([q_latent, q_pe], dim=-1).reshape(num_tokens, -1)
+        k_full = torch.cat([latent, k_pe.squeeze(1)], dim=-1)  # [T, L + R]: what the pool stores
+        o_latent = self.attn(q_full, k_full, k_full[:, : self.kv_lora_rank], forward_batch)
+        o_latent = o_latent.view(num_tokens, self.num_heads, self.kv_lora_rank)
+        o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        return self.o_proj(o.reshape(num_tokens, -1))
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, attn_layer_id: int, moe: bool):
+        super().__init__()
+        self.self_attn = DeepseekV2Attention(config, attn_layer_id)
+        self.mlp = DeepseekV2MoE(config) if moe else DeepseekV2MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        forward_batch: ForwardBatch,
+        residual: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual stream before it); the caller adds them."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(config, i, is_moe_layer(config, i)) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        input_embeds: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden] (also what the NextN draft consumes)."""
+        hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        if residual is None:
+            return self.norm(hidden_states)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+def load_deepseek_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], rename
+) -> None:
+    """Load HF-named tensors into `model`.
+
+    `rename(name)` maps a checkpoint name to this model's parameter name, or None to skip it.
+    Per-expert tensors go into the stacked expert weights; gate/up projections of dense and
+    shared MLPs into gate_up_proj. Raises on an unknown tensor or an unloaded parameter.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for ckpt_name, tensor in weights:
+        name = rename(ckpt_name)
+        if name is None:
+            continue
+        expert = _EXPERT_RE.match(name)
+        if expert:
+            prefix, expert_id, shard = expert.groups()
+            moe: FusedMoE = model.get_submodule(prefix)
+            moe.weight_loader(shard, int(expert_id), tensor)
+            loaded.update((f"{prefix}.w13_weight", f"{prefix}.w2_weight"))
+            continue
+        shard_id = None
+        for param_frag, ckpt_frag, sid in _GATE_UP_MAPPING:
+            if ckpt_frag in name:
+                name, shard_id = name.replace(ckpt_frag, param_frag), sid
+                break
+        if name not in params:
+            raise KeyError(f"checkpoint tensor {ckpt_name!r} has no matching model parameter {name!r}")
+        param = params[name]
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            default_weight_loader(param, tensor)
+        else:
+            loader(param, tensor, shard_id)
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing parameters: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV2Model(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        input_embeds: Optional[torch.Tensor] = None,
+    ) -> LogitsProcessorOutput:
+        hidden_states = self.model(input_ids, positions, forward_batch, input_embeds)
+        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+
+    def get_embed_and_head(self) -> tuple[nn.Parameter, nn.Parameter]:
+        """The embedding and LM head parameters, for a draft model to share (no copy)."""
+        return self.model.embed_tokens.weight, self.lm_head.weight
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF names; the MTP layer (index num_hidden_layers and above) belongs to the draft."""
+        num_layers = self.config.num_hidden_layers
+
+        def rename(name: str) -> Optional[str]:
+            layer = re.match(r"model\.layers\.(\d+)\.", name)
+            if (layer and int(layer.group(1)) >= num_layers) or "rotary_emb.inv_freq" in name:
+                return None
+            return name
+
+        load_deepseek_weights(self, weights, rename)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    pass
+
+
+EntryClass = [DeepseekV2ForCausalLM, DeepseekV3ForCausalLM]
