@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny random checkpoints written once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang.test.tiny_models import make_tiny_llama, make_tiny_qwen2
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    """Tiny Llama, sharded safetensors (exercises model.safetensors.index.json)."""
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")), max_shard_size="50KB")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_tied_dir(tmp_path_factory) -> str:
+    """Tiny Llama 3.1 style: llama3 rope scaling, tied embeddings, explicit head_dim, single file."""
+    return make_tiny_llama(
+        str(tmp_path_factory.mktemp("tiny_llama3")),
+        tie_word_embeddings=True,
+        rope_parameters=LLAMA3_ROPE,
+        head_dim=32,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> str:
+    return make_tiny_qwen2(str(tmp_path_factory.mktemp("tiny_qwen2")))
