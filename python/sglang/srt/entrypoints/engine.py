@@ -1,0 +1,213 @@
+"""The offline Engine, and the process launch shared with the HTTP server.
+
+Processes (DESIGN.md §2): this process runs the TokenizerManager; the scheduler side
+(scheduler ranks, or later a DataParallelController in front of them) and the
+DetokenizerManager are spawned children that die with this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import threading
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any, Callable, Iterator, Optional, Union
+
+from sglang.srt.managers.io_struct import SchedulerReady
+from sglang.srt.managers.tokenizer_manager import GenerateReqInput, TokenizerManager, final_output, incremental_outputs
+from sglang.srt.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class Subprocesses:
+    """The children of one server/Engine: supervised while running, ended on shutdown."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir  # holds the ipc sockets; removed on shutdown
+        self.procs: list[BaseProcess] = []
+        self._stop_r, self._stop_w = mp.Pipe(duplex=False)
+        self._monitor: Optional[threading.Thread] = None
+        self._stopping = False
+
+    def add(self, proc: BaseProcess) -> None:
+        self.procs.append(proc)
+
+    def start_monitor(self, on_death: Callable[[str], None]) -> None:
+        """Call on_death(reason) once, from a thread, if any child exits before shutdown."""
+
+        def watch() -> None:
+            sentinels = {p.sentinel: p for p in self.procs}
+            ready = wait(list(sentinels) + [self._stop_r])
+            if self._stopping or self._stop_r in ready:
+                return
+            proc = sentinels[ready[0]]
+            proc.join(0)
+            on_death(f"Subprocess {proc.name} (pid {proc.pid}) exited unexpectedly with code {proc.exitcode}")
+
+        self._monitor = threading.Thread(target=watch, daemon=True, name="subprocess-monitor")
+        self._monitor.start()
+
+    def shutdown(self) -> None:
+        from sglang.srt.utils.process import kill_process_tree
+
+        if self._stopping:
+            return
+        self._stopping = True
+        self._stop_w.send(None)
+        for proc in reversed(self.procs):
+            if proc.pid is not None:
+                kill_process_tree(proc.pid, include_parent=True)
+                proc.join(5)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _start_scheduler_side(server_args: ServerArgs, port_args: PortArgs, ctx, subprocesses: Subprocesses) -> list[Connection]:
+    """Start what receives from the TokenizerManager: today one scheduler per TP rank
+    (dp_size 1). A DataParallelController replaces this under DP. Returns one pipe per
+    process that will report a SchedulerReady."""
+    from sglang.srt.managers.scheduler import run_scheduler_process
+
+    readers = []
+    for tp_rank in range(server_args.tp_size):
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=run_scheduler_process,
+            args=(server_args, port_args, tp_rank, tp_rank, None, writer),
+            name=f"scheduler-tp{tp_rank}",
+            daemon=False,
+        )
+        proc.start()
+        writer.close()  # so that recv() sees EOF if the child dies before reporting
+        subprocesses.add(proc)
+        readers.append(reader)
+    return readers
+
+
+def _launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, dict[str, Any], Subprocesses]:
+    """Start the detokenizer and the scheduler side, and wait until every scheduler is ready.
+    Raises RuntimeError with the scheduler's error text if startup fails."""
+    from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
+
+    server_args.check_launchable()
+    port_args = PortArgs.init_new(server_args)
+    # Bind our sockets before the children connect.
+    tokenizer_manager = TokenizerManager(server_args, port_args)
+    ctx = mp.get_context("spawn")
+    subprocesses = Subprocesses(os.path.dirname(port_args.tokenizer_ipc_name.removeprefix("ipc://")))
+    try:
+        detokenizer = ctx.Process(target=run_detokenizer_process, args=(server_args, port_args), name="detokenizer")
+        detokenizer.start()
+        subprocesses.add(detokenizer)
+        readers = _start_scheduler_side(server_args, port_args, ctx, subprocesses)
+        infos = [_wait_ready(reader) for reader in readers]
+    except BaseException:
+        subprocesses.shutdown()
+        tokenizer_manager.close()
+        raise
+    tokenizer_manager.set_scheduler_info(infos[0])
+    scheduler_info = {
+        "max_total_num_tokens": infos[0].max_total_num_tokens,
+        "max_req_input_len": infos[0].max_req_input_len,
+        "context_len": infos[0].context_len,
+    }
+    return tokenizer_manager, scheduler_info, subprocesses
+
+
+def _wait_ready(reader: Connection) -> SchedulerReady:
+    try:
+        ready = reader.recv()
+    except EOFError:
+        raise RuntimeError("A scheduler process exited during startup; see its log above") from None
+    if ready.error is not None:
+        raise RuntimeError(f"Scheduler (dp {ready.dp_rank}, tp {ready.tp_rank}) failed to start: {ready.error}")
+    return ready
+
+
+class Engine:
+    """Offline inference on the same processes and code path as the HTTP server.
+
+    Engine(model_path=..., **server_args); generate(...) returns SGLang-shaped dicts.
+    """
+
+    def __init__(self, **kwargs: Any):
+        self.server_args = ServerArgs(**kwargs)
+        logging.basicConfig(level=self.server_args.log_level.upper(), format="[%(asctime)s] %(message)s")
+        self.loop = asyncio.new_event_loop()
+        self._closed = False
+        try:
+            self.tokenizer_manager, self.scheduler_info, self._subprocesses = _launch_subprocesses(self.server_args)
+        except BaseException:
+            self.loop.close()
+            raise
+        self._subprocesses.start_monitor(self._on_subprocess_death)
+        atexit.register(self.shutdown)
+
+    def _on_subprocess_death(self, reason: str) -> None:
+        logger.error("%s; the Engine can no longer generate.", reason)
+        self.tokenizer_manager.mark_dead(reason)
+
+    def generate(
+        self,
+        prompt: Union[None, str, list[str]] = None,
+        sampling_params: Union[None, dict[str, Any], list[dict[str, Any]]] = None,
+        input_ids: Union[None, list[int], list[list[int]]] = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+    ) -> Union[dict[str, Any], list[dict[str, Any]], Iterator[dict[str, Any]]]:
+        """One dict per prompt (a list for a list of prompts); an iterator of chunks when
+        streaming. Invalid requests raise ValueError."""
+        obj = GenerateReqInput(
+            text=prompt,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            stream=stream,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num,
+        )
+        outputs = self.tokenizer_manager.generate_request(obj)
+        if stream:
+            if self.server_args.stream_output:
+                outputs = incremental_outputs(outputs)
+            return self._iterate(outputs)
+        return self.loop.run_until_complete(final_output(outputs))
+
+    def _iterate(self, outputs) -> Iterator[dict[str, Any]]:
+        try:
+            while True:
+                try:
+                    yield self.loop.run_until_complete(outputs.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:  # an abandoned stream aborts its request
+            if not self.loop.is_closed():
+                self.loop.run_until_complete(outputs.aclose())
+
+    def get_server_info(self) -> dict[str, Any]:
+        states = self.loop.run_until_complete(self.tokenizer_manager.get_internal_state())
+        return {**dataclasses.asdict(self.server_args), **self.scheduler_info, "internal_states": states}
+
+    def flush_cache(self) -> bool:
+        return self.loop.run_until_complete(self.tokenizer_manager.flush_cache())
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        self._subprocesses.shutdown()
+        self.tokenizer_manager.close()
+        self.loop.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

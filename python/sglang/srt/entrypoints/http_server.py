@@ -1,0 +1,203 @@
+"""The HTTP server: FastAPI routes over one TokenizerManager, and `launch_server`.
+
+Every error response, including validation of malformed bodies, unknown routes and a
+missing API key, is an OpenAI-style JSON body {"error": {"message", "type", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from sglang.srt.entrypoints.openai.serving_base import error_response, sse_response, start_stream
+from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sglang.srt.managers.tokenizer_manager import (
+    GenerateReqInput,
+    RequestError,
+    TokenizerManager,
+    final_output,
+    incremental_outputs,
+)
+from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 << 20
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+def create_app(tokenizer_manager: TokenizerManager, scheduler_info: dict[str, Any]) -> FastAPI:
+    server_args = tokenizer_manager.server_args
+    app = FastAPI()
+    serving_chat = OpenAIServingChat(tokenizer_manager)
+    serving_completion = OpenAIServingCompletion(tokenizer_manager)
+    _install_error_handlers(app)
+    _install_guards(app, server_args)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if tokenizer_manager.dead_reason is not None:
+            return error_response(f"Unhealthy: {tokenizer_manager.dead_reason}", 503)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        try:
+            await asyncio.wait_for(final_output(tokenizer_manager.generate_request(obj)), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return error_response("Generation did not finish in time", 503)
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return {"model_path": server_args.model_path, "tokenizer_path": server_args.tokenizer_path, "is_generation": True}
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        states = await tokenizer_manager.get_internal_state()
+        return {**dataclasses.asdict(server_args), **scheduler_info, "internal_states": states}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        if await tokenizer_manager.flush_cache():
+            return PlainTextResponse("Cache flushed.\n")
+        return error_response("Cache not flushed: requests are running", 400)
+
+    @app.post("/generate")
+    async def generate(obj: GenerateReqInput, request: Request) -> Response:
+        if obj.stream:
+            outputs = tokenizer_manager.generate_request(obj)
+            if server_args.stream_output:
+                outputs = incremental_outputs(outputs)
+            return sse_response(await start_stream(outputs))
+        result = await final_output(tokenizer_manager.generate_request(obj, request))
+        if result is None:
+            return error_response("Client disconnected", 499)
+        return JSONResponse(result)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = ModelCard(id=server_args.served_model_name, root=server_args.model_path, max_model_len=tokenizer_manager.context_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serving_completion.handle(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving_chat.handle(body, request)
+
+    if server_args.enable_metrics:
+        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        logger.info("Rejected %s %s: %s", request.method, request.url.path, message)
+        return error_response(message, 400)
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(request: Request, exc: RequestError) -> JSONResponse:
+        logger.info("Rejected %s %s: %s", request.method, request.url.path, exc)
+        return error_response(str(exc), exc.status_code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(str(exc.detail), exc.status_code)
+
+
+def _install_guards(app: FastAPI, server_args: ServerArgs) -> None:
+    """API key and body size, checked before any route runs."""
+    expected = f"Bearer {server_args.api_key}" if server_args.api_key else None
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if expected is not None and not hmac.compare_digest(request.headers.get("authorization", ""), expected):
+            return error_response("Invalid or missing API key", 401, "authentication_error")
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            return error_response(f"The request body is larger than {MAX_BODY_BYTES} bytes", 413)
+        return await call_next(request)
+
+
+def launch_server(server_args: ServerArgs) -> None:
+    """Start the subprocesses and serve HTTP until SIGINT/SIGTERM; leave no process behind."""
+    from sglang.srt.entrypoints.engine import _launch_subprocesses
+
+    tokenizer_manager, scheduler_info, subprocesses = _launch_subprocesses(server_args)
+
+    def on_subprocess_death(reason: str) -> None:
+        logger.error("%s; shutting the server down.", reason)
+        tokenizer_manager.mark_dead(reason)
+        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn shuts down; `finally` ends the rest
+
+    subprocesses.start_monitor(on_subprocess_death)
+    app = create_app(tokenizer_manager, scheduler_info)
+    config = uvicorn.Config(
+        app,
+        host=server_args.host,
+        port=server_args.port,
+        log_level=server_args.log_level,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    threading.Thread(target=_warm_up_and_announce, args=(server, server_args), daemon=True).start()
+    try:
+        server.run()
+    finally:
+        subprocesses.shutdown()
+        tokenizer_manager.close()
+
+
+def _warm_up_and_announce(server: uvicorn.Server, server_args: ServerArgs) -> None:
+    """Once uvicorn listens, run one tiny generation through HTTP, then announce readiness
+    (or shut down if the engine cannot generate)."""
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.05)
+    headers = {"Content-Type": "application/json"}
+    if server_args.api_key:
+        headers["Authorization"] = f"Bearer {server_args.api_key}"
+    body = json.dumps({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).encode()
+    host = "127.0.0.1" if server_args.host in ("0.0.0.0", "::") else server_args.host
+    request = urllib.request.Request(f"http://{host}:{server_args.port}/generate", body, headers)
+    try:
+        with urllib.request.urlopen(request, timeout=server_args.watchdog_timeout) as response:
+            response.read()
+    except Exception as e:
+        logger.error("Warm-up request failed (%s); shutting down.", e)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    logger.info("The server is fired up and ready to roll!")

@@ -1,0 +1,81 @@
+"""What the OpenAI completions and chat endpoints share: model check, errors, SSE, finish reasons."""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, AsyncIterator, Optional
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from sglang.srt.entrypoints.openai.protocol import UsageInfo, error_body
+from sglang.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
+
+
+def error_response(message: str, status_code: int = 400, err_type: Optional[str] = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status_code, err_type), status_code=status_code)
+
+
+def sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    """Stream `chunks` as server-sent events ending with [DONE]; an error after the
+    stream started is sent as one error event."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield sse(chunk)
+        except RequestError as e:
+            yield sse(error_body(str(e), e.status_code))
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def start_stream(outputs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    """Pull the first output now, so that validation errors become a plain HTTP error
+    response instead of an event inside a 200 stream."""
+    first = await outputs.__anext__()
+
+    async def rest() -> AsyncIterator[dict[str, Any]]:
+        yield first
+        async for out in outputs:
+            yield out
+
+    return rest()
+
+
+def finish_reason(meta: dict[str, Any]) -> tuple[Optional[str], Any]:
+    """OpenAI finish_reason and the matched stop (string or token id) of an output."""
+    reason = meta.get("finish_reason")
+    if reason is None:
+        return None, None
+    return reason["type"], reason.get("matched")
+
+
+def usage(outputs: list[dict[str, Any]]) -> UsageInfo:
+    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outputs)
+    completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class OpenAIServingBase:
+    def __init__(self, tokenizer_manager: TokenizerManager):
+        self.tm = tokenizer_manager
+        args = tokenizer_manager.server_args
+        self.model_names = {args.served_model_name, args.model_path}
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_token)
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tm.tokenizer.decode([token_id])
+
+    def check_model(self, model: str) -> None:
+        if model not in self.model_names:
+            raise RequestError(f"The model {model!r} does not exist; this server serves {self.tm.server_args.served_model_name!r}", 404)
+
+    def generate(self, obj: GenerateReqInput, raw_request) -> AsyncIterator[Any]:
+        # Streaming responses notice a gone client through cancellation, not polling.
+        return self.tm.generate_request(obj, None if obj.stream else raw_request)

@@ -1,0 +1,389 @@
+"""TokenizerManager: lives in the HTTP/Engine process, on its asyncio loop.
+
+It validates and tokenizes requests, sends them to the scheduler side, and turns the
+detokenizer's BatchStrOut messages into SGLang-shaped output dicts for each waiting
+request. Invariants:
+- a request is fully validated (and tokenized) before anything is sent, so nothing
+  malformed reaches the scheduler;
+- every request that leaves `generate_request` unfinished (client gone, task cancelled,
+  generator closed) is aborted on the scheduler side, freeing its KV at once;
+- outputs are cumulative snapshots (text, ids, logprobs so far), so a consumer that
+  misses an intermediate snapshot loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Optional, Union
+
+import zmq
+import zmq.asyncio
+from pydantic import BaseModel, ConfigDict
+
+from sglang.srt.managers.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    SchedulerReady,
+    TokenizedGenerateReqInput,
+)
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# How often a waiting non-streaming request checks whether its HTTP client went away.
+_DISCONNECT_POLL_S = 1.0
+_CONTROL_TIMEOUT_S = 60.0
+
+
+class RequestError(ValueError):
+    """A request the server refuses; `status_code` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status_code: int = 400):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class GenerateReqInput(BaseModel):
+    """The native /generate request (also built by Engine.generate and the OpenAI layer)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
+    rid: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+
+    @property
+    def is_batch(self) -> bool:
+        return isinstance(self.text, list) or (bool(self.input_ids) and isinstance(self.input_ids[0], list))
+
+    def split(self) -> list["GenerateReqInput"]:
+        """One single request per prompt (a single request returns itself)."""
+        if not self.is_batch:
+            if isinstance(self.rid, list):
+                raise RequestError("rid must be a string for a single prompt")
+            return [self]
+        prompts = self.text if self.text is not None else self.input_ids
+        n = len(prompts)
+        if n == 0:
+            raise RequestError("The batch of prompts is empty")
+        params, rids = self.sampling_params, self.rid
+        if isinstance(params, list) and len(params) != n:
+            raise RequestError(f"sampling_params has {len(params)} entries for {n} prompts")
+        if rids is not None and (not isinstance(rids, list) or len(rids) != n):
+            raise RequestError(f"rid must be a list of {n} ids for a batch of {n} prompts")
+        key = "text" if self.text is not None else "input_ids"
+        return [
+            self.model_copy(
+                update={
+                    key: prompts[i],
+                    "sampling_params": params[i] if isinstance(params, list) else params,
+                    "rid": rids[i] if rids is not None else None,
+                }
+            )
+            for i in range(n)
+        ]
+
+
+@dataclass
+class ReqState:
+    stream: bool
+    stops: list[str]
+    return_text_in_logprobs: bool
+    created: float = field(default_factory=time.monotonic)
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    latest: Optional[dict[str, Any]] = None
+    finished: bool = False
+    error: Optional[str] = None
+
+
+class _ReplyCollector:
+    """Sends one control request at a time and waits for `expected` replies."""
+
+    def __init__(self, expected: int):
+        self.expected = expected
+        self.lock = asyncio.Lock()
+        self.replies: list[Any] = []
+        self.done = asyncio.Event()
+
+    async def request(self, send: Callable[[Any], None], msg: Any) -> list[Any]:
+        async with self.lock:
+            self.replies, self.done = [], asyncio.Event()
+            send(msg)
+            await asyncio.wait_for(self.done.wait(), _CONTROL_TIMEOUT_S)
+            return self.replies
+
+    def add(self, reply: Any) -> None:
+        self.replies.append(reply)
+        if len(self.replies) >= self.expected:
+            self.done.set()
+
+
+def hold_back_partial_stop(text: str, stops: list[str]) -> str:
+    """Drop a tail of `text` that may be the start of a stop string, so that streamed
+    text is always a prefix of the final (stop-trimmed) text."""
+    cut = 0
+    for stop in stops:
+        for k in range(min(len(stop), len(text) + 1) - 1, 0, -1):
+            if text.endswith(stop[:k]):
+                cut = max(cut, k)
+                break
+    return text[: len(text) - cut] if cut else text
+
+
+async def final_output(outputs: AsyncIterator[Any]) -> Any:
+    """The last item of `outputs` (None if the client went away before the end)."""
+    last = None
+    async for last in outputs:
+        pass
+    return last
+
+
+async def incremental_outputs(outputs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    """Turn cumulative snapshots into deltas (--stream-output): only the new text, ids and
+    logprobs of each chunk."""
+    sent_text = sent_ids = 0
+    async for out in outputs:
+        meta = dict(out["meta_info"])
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            if key in meta:
+                meta[key] = meta[key][sent_ids:]
+        yield {"text": out["text"][sent_text:], "output_ids": out["output_ids"][sent_ids:], "meta_info": meta}
+        sent_text, sent_ids = len(out["text"]), len(out["output_ids"])
+
+
+class TokenizerManager:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tokenizer=None):
+        self.server_args = server_args
+        if tokenizer is None:
+            from sglang.srt.utils.hf_transformers_utils import get_tokenizer, resolve_model_path
+
+            tokenizer = get_tokenizer(resolve_model_path(server_args.tokenizer_path), server_args.trust_remote_code)
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        # Set from the first SchedulerReady (set_scheduler_info) before serving.
+        self.context_len = 0
+        self.max_req_input_len = 0
+
+        self._send_ctx = zmq.Context(1)
+        self.send_to_scheduler = self._send_ctx.socket(zmq.PUSH)
+        self.send_to_scheduler.bind(port_args.scheduler_input_ipc_name)
+        self._recv_ctx = zmq.asyncio.Context(1)
+        self.recv_from_detokenizer = self._recv_ctx.socket(zmq.PULL)
+        self.recv_from_detokenizer.bind(port_args.tokenizer_ipc_name)
+
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.dead_reason: Optional[str] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._handle_task: Optional[asyncio.Task] = None
+        self._collectors: dict[type, _ReplyCollector] = {
+            FlushCacheReqOutput: _ReplyCollector(server_args.dp_size),
+            GetInternalStateReqOutput: _ReplyCollector(server_args.dp_size),
+        }
+
+    def set_scheduler_info(self, ready: SchedulerReady) -> None:
+        self.context_len = ready.context_len
+        self.max_req_input_len = ready.max_req_input_len
+
+    # ------------------------------------------------------------------ requests
+    async def generate_request(self, obj: GenerateReqInput, request=None) -> AsyncIterator[dict[str, Any]]:
+        """Yield output dicts: every snapshot when streaming, else only the final one.
+        A batch yields one list of final outputs. `request` is the HTTP request (to
+        notice a client that went away)."""
+        self._ensure_handle_loop()
+        if self.dead_reason is not None:
+            raise RequestError(f"The server is not healthy: {self.dead_reason}", 503)
+        singles = obj.split()
+        if obj.is_batch and obj.stream:
+            raise RequestError("stream=True is not supported for a batch of prompts")
+        tokenized = [self._tokenize_one(o) for o in singles]  # all validated before any is sent
+        if len(set(t.rid for t in tokenized)) != len(tokenized):
+            raise RequestError("Duplicate rid in the batch")
+        if not obj.is_batch:
+            async for out in self._run_one(tokenized[0], singles[0], request):
+                yield out
+            return
+        results = await asyncio.gather(*(final_output(self._run_one(t, o, request)) for t, o in zip(tokenized, singles)))
+        yield list(results)
+
+    def _tokenize_one(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+        if (obj.text is None) == (obj.input_ids is None):
+            raise RequestError("Exactly one of text and input_ids must be given")
+        if obj.text is not None:
+            if not obj.text:
+                raise RequestError("The prompt is empty")
+            input_ids = self.tokenizer.encode(obj.text)
+        else:
+            input_ids = list(obj.input_ids)
+            if not input_ids:
+                raise RequestError("input_ids is empty")
+            bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"input_ids contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        n = len(input_ids)
+        if n > self.max_req_input_len:
+            raise RequestError(
+                f"The input ({n} tokens) is longer than the model's context length allows "
+                f"({self.max_req_input_len} input tokens, context length {self.context_len})"
+            )
+        params_dict = dict(obj.sampling_params or {})
+        if "max_new_tokens" in params_dict and params_dict["max_new_tokens"] is None:
+            params_dict["max_new_tokens"] = self.context_len - n  # "until the context is full"
+        try:
+            params = SamplingParams.from_dict(params_dict)
+            params.verify(self.vocab_size)
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"Invalid sampling_params: {e}") from None
+        if "max_new_tokens" in params_dict and n + params.max_new_tokens > self.context_len:
+            raise RequestError(
+                f"Requested {n} prompt tokens + {params.max_new_tokens} max_new_tokens exceeds "
+                f"the model's context length of {self.context_len} tokens"
+            )
+        if not 0 <= obj.top_logprobs_num <= self.vocab_size:
+            raise RequestError(f"top_logprobs_num must be in [0, {self.vocab_size}], got {obj.top_logprobs_num}")
+        rid = obj.rid or uuid.uuid4().hex
+        if rid in self.rid_to_state:
+            raise RequestError(f"A request with rid {rid!r} is already running")
+        return TokenizedGenerateReqInput(
+            rid=rid,
+            input_text=obj.text,
+            input_ids=input_ids,
+            sampling_params=params,
+            stream=obj.stream,
+            return_logprob=obj.return_logprob,
+            top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
+        )
+
+    async def _run_one(self, req: TokenizedGenerateReqInput, obj: GenerateReqInput, request) -> AsyncIterator[dict]:
+        state = ReqState(obj.stream, list(req.sampling_params.stop), obj.return_text_in_logprobs)
+        self.rid_to_state[req.rid] = state
+        if self.server_args.log_requests:
+            logger.info("Request %s: %d prompt tokens, %s", req.rid, len(req.input_ids), req.sampling_params)
+        self.send_to_scheduler.send_pyobj(req)
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(state.event.wait(), _DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if request is not None and await request.is_disconnected():
+                        logger.info("Client of request %s disconnected; aborting it", req.rid)
+                        return
+                    continue
+                state.event.clear()
+                if state.error is not None:
+                    raise RequestError(state.error, 503)
+                if state.finished:
+                    reason = state.latest["meta_info"]["finish_reason"]
+                    if self.server_args.log_requests:
+                        logger.info("Finished %s: %s", req.rid, state.latest["meta_info"])
+                    if reason.get("type") == "abort" and reason.get("message"):
+                        raise RequestError(reason["message"])  # refused by the scheduler
+                    yield state.latest
+                    return
+                if state.stream:
+                    yield state.latest
+        finally:
+            if not state.finished:
+                self.abort_request(req.rid)
+            self.rid_to_state.pop(req.rid, None)
+
+    def abort_request(self, rid: str) -> None:
+        if self.rid_to_state.pop(rid, None) is not None:
+            self.send_to_scheduler.send_pyobj(AbortReq(rid))
+
+    # ------------------------------------------------------------------ control
+    async def flush_cache(self) -> bool:
+        self._ensure_handle_loop()
+        replies = await self._collectors[FlushCacheReqOutput].request(self.send_to_scheduler.send_pyobj, FlushCacheReq())
+        return all(r.success for r in replies)
+
+    async def get_internal_state(self) -> list[dict[str, Any]]:
+        """One dict per DP rank, ordered by dp_rank."""
+        self._ensure_handle_loop()
+        collector = self._collectors[GetInternalStateReqOutput]
+        replies = await collector.request(self.send_to_scheduler.send_pyobj, GetInternalStateReq())
+        return sorted((r.internal_state for r in replies), key=lambda s: s.get("dp_rank", 0))
+
+    def mark_dead(self, reason: str) -> None:
+        """A subprocess died: fail every waiting request and refuse new ones. Thread-safe."""
+        self.dead_reason = reason
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_all, reason)
+
+    def _fail_all(self, reason: str) -> None:
+        for state in self.rid_to_state.values():
+            state.error = reason
+            state.event.set()
+
+    def close(self) -> None:
+        """Release the sockets; call when the loop is not running (after serving)."""
+        task, loop = self._handle_task, self._loop
+        if task is not None and not task.done() and not loop.is_closed() and not loop.is_running():
+            task.cancel()
+            loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+        self.send_to_scheduler.close(linger=0)
+        self.recv_from_detokenizer.close(linger=0)
+        self._send_ctx.term()
+        self._recv_ctx.term()
+
+    # ------------------------------------------------------------------ receiving
+    def _ensure_handle_loop(self) -> None:
+        if self._handle_task is None:
+            self._loop = asyncio.get_running_loop()
+            self._handle_task = self._loop.create_task(self._handle_loop())
+
+    async def _handle_loop(self) -> None:
+        while True:
+            recv = await self.recv_from_detokenizer.recv_pyobj()
+            if isinstance(recv, BatchStrOut):
+                self._handle_batch_str_out(recv)
+            elif type(recv) in self._collectors:
+                self._collectors[type(recv)].add(recv)
+            else:
+                logger.error("TokenizerManager got an unknown message: %r", type(recv))
+
+    def _handle_batch_str_out(self, recv: BatchStrOut) -> None:
+        for i, rid in enumerate(recv.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:  # aborted or already finished
+                continue
+            finished_reason = recv.finished_reasons[i]
+            text = recv.output_strs[i]
+            if finished_reason is None:
+                text = hold_back_partial_stop(text, state.stops)
+            meta: dict[str, Any] = {
+                "id": rid,
+                "finish_reason": finished_reason,
+                "prompt_tokens": recv.prompt_tokens[i],
+                "completion_tokens": recv.completion_tokens[i],
+                "cached_tokens": recv.cached_tokens[i],
+                "e2e_latency": time.monotonic() - state.created,
+            }
+            if recv.output_token_logprobs and recv.output_token_logprobs[i] is not None:
+                meta["output_token_logprobs"] = self._logprob_triples(recv.output_token_logprobs[i], state)
+                tops = recv.output_top_logprobs[i] if recv.output_top_logprobs else None
+                meta["output_top_logprobs"] = [self._logprob_triples(t, state) for t in (tops or [])]
+            if self.server_args.speculative_algorithm is not None and recv.spec_verify_ct:
+                meta["spec_verify_ct"] = recv.spec_verify_ct[i]
+            state.latest = {"text": text, "output_ids": list(recv.output_ids[i]), "meta_info": meta}
+            state.finished = finished_reason is not None
+            state.event.set()
+
+    def _logprob_triples(self, pairs: list[tuple[float, int]], state: ReqState) -> list[tuple[float, int, Optional[str]]]:
+        """SGLang's (logprob, token_id, token_text or None) triples."""
+        if not state.return_text_in_logprobs:
+            return [(lp, tid, None) for lp, tid in pairs]
+        return [(lp, tid, self.tokenizer.decode([tid])) for lp, tid in pairs]
