@@ -1,0 +1,128 @@
+"""DeepSeek-V3 multi-token-prediction (MTP / NextN) layer as a draft model.
+
+    h = eh_proj(enorm(embed(ids)) ‖ hnorm(target_hidden))  ->  one DeepSeek decoder layer
+      -> shared_head.norm  ->  LM head
+
+`target_hidden` is the target model's final-norm hidden state of the previous position
+([num_tokens, hidden], from forward_batch.spec_info.hidden_states). The decoder layer is
+layer 0 of the draft's own KV pool and is an MoE layer whenever the config has routed
+experts (as in every DeepSeek-V3 checkpoint). The embedding and LM head can be replaced by
+the target's parameters with set_embed_and_head (shared, not copied).
+
+Checkpoints: the MTP weights live at `model.layers.{config.num_hidden_layers}.*`, both in a
+target checkpoint (index = number of target layers) and in a checkpoint written by
+`python -m sglang.tools.export_nextn` (num_hidden_layers = 1, weights at model.layers.1.*).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import ReplicatedLinear
+from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.models.deepseek_v2 import DeepseekV2DecoderLayer, load_deepseek_weights
+
+# Checkpoint names inside the MTP layer prefix -> this module's names (the rest is the decoder layer).
+_MTP_RENAMES = {
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "shared_head.head.weight": "lm_head.weight",
+    "shared_head.norm.weight": "model.shared_head.norm.weight",
+    "enorm.weight": "model.enorm.weight",
+    "hnorm.weight": "model.hnorm.weight",
+    "eh_proj.weight": "model.eh_proj.weight",
+}
+
+
+def nextn_layer_prefix(config: PretrainedConfig) -> str:
+    """Checkpoint prefix of the MTP layer's weights."""
+    return f"model.layers.{config.num_hidden_layers}."
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class DeepseekModelNextN(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        hidden = config.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden)
+        self.enorm = RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.hnorm = RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.eh_proj = ReplicatedLinear(2 * hidden, hidden)
+        moe = getattr(config, "n_routed_experts", None) is not None
+        self.decoder = DeepseekV2DecoderLayer(config, attn_layer_id=0, moe=moe)
+        self.shared_head = SharedHead(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        input_embeds: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden] of the draft."""
+        embeds = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        target_hidden = forward_batch.spec_info.hidden_states.to(embeds.dtype)
+        hidden = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(target_hidden)], dim=-1))
+        hidden, residual = self.decoder(positions, hidden, forward_batch, None)
+        hidden, _ = self.shared_head.norm(hidden, residual)
+        return hidden
+
+
+class DeepseekV3ForCausalLMNextN(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.config = config
+        self.model = DeepseekModelNextN(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        input_embeds: Optional[torch.Tensor] = None,
+    ) -> LogitsProcessorOutput:
+        hidden_states = self.model(input_ids, positions, forward_batch, input_embeds)
+        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+
+    def get_embed_and_head(self) -> tuple[nn.Parameter, nn.Parameter]:
+        return self.model.embed_tokens.weight, self.lm_head.weight
+
+    def set_embed_and_head(self, embed: nn.Parameter, head: nn.Parameter) -> None:
+        """Use the target's embedding and LM head parameters (same tensors, no copy)."""
+        for module, param in ((self.model.embed_tokens, embed), (self.lm_head, head)):
+            if param.shape != module.weight.shape:
+                raise ValueError(f"shared weight shape {tuple(param.shape)} != {tuple(module.weight.shape)}")
+            del module.weight
+            module.weight = param
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads the MTP layer's tensors; every other tensor of the checkpoint is skipped."""
+        prefix = nextn_layer_prefix(self.config)
+        layer_re = re.compile(re.escape(prefix) + r"(.*)$")
+
+        def rename(name: str) -> Optional[str]:
+            m = layer_re.match(name)
+            if m is None:
+                return None
+            rest = m.group(1)
+            return _MTP_RENAMES.get(rest, f"model.decoder.{rest}")
+
+        load_deepseek_weights(self, weights, rename)
+
+
+EntryClass = DeepseekV3ForCausalLMNextN
