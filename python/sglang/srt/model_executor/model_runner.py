@@ -25,7 +25,9 @@ from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-_CPU_KV_BUDGET_BYTES = 1 << 30  # the KV pool's size on CPU unless --max-total-tokens says otherwise
+# The KV pool's size on CPU unless --max-total-tokens says otherwise.
+_CPU_KV_BUDGET_BYTES = 1 << 30
+_CPU_MAX_KV_TOKENS = 1 << 16
 _GIB = 1 << 30
 
 
@@ -89,7 +91,7 @@ class ModelRunner:
                     f"({free / _GIB:.1f} GiB free); raise --mem-fraction-static"
                 )
         else:
-            budget = _CPU_KV_BUDGET_BYTES
+            budget = min(_CPU_KV_BUDGET_BYTES, _CPU_MAX_KV_TOKENS * self.kv_bytes_per_token)
         tokens = int(budget // self.kv_bytes_per_token)
         if self.server_args.max_total_tokens is not None:
             tokens = min(tokens, self.server_args.max_total_tokens)
