@@ -46,7 +46,7 @@ def _mask_to_top_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_g
     group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
     expert_mask = group_mask[:, :, None].expand(num_tokens, num_groups, scores.shape[-1] // num_groups)
-    return scores.masked_fill(~expert_mask.reshape(num_tokens, -1), fill)
+    return scores.masked_fill(~expert_mask.reshape(scores.shape), fill)
 
 
 def select_experts(
@@ -56,16 +56,17 @@ def select_experts(
     logits = router_logits.float()
     scores = logits.softmax(dim=-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
     num_tokens = scores.shape[0]
+    group_size = cfg.num_experts // (cfg.num_expert_group or 1)  # explicit: -1 is ambiguous for 0 rows
     if cfg.topk_method == "noaux_tc":
         choice = scores + correction_bias.float() if correction_bias is not None else scores
-        grouped = choice.view(num_tokens, cfg.num_expert_group, -1)
+        grouped = choice.view(num_tokens, cfg.num_expert_group, group_size)
         group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
         choice = _mask_to_top_groups(choice, group_scores, cfg.topk_group, float("-inf"))
         topk_ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)[1]
         topk_weights = scores.gather(1, topk_ids)
     else:
         if cfg.topk_method == "group_limited_greedy":
-            group_scores = scores.view(num_tokens, cfg.num_expert_group, -1).amax(dim=-1)
+            group_scores = scores.view(num_tokens, cfg.num_expert_group, group_size).amax(dim=-1)
             scores = _mask_to_top_groups(scores, group_scores, cfg.topk_group, 0.0)
         topk_weights, topk_ids = torch.topk(scores, k=cfg.top_k, dim=-1, sorted=False)
     if cfg.renormalize:
