@@ -88,7 +88,7 @@ class ScheduleBatch:
     reqs: list[Req]
     input_ids: list[int]
     positions: list[int]
-    out_cache_loc: torch.Tensor
+    out_cache_loc: Optional[torch.Tensor]  # None until the worker assigns slots (decode)
     seq_lens: list[int]
     extend_lens: list[int]
     prefix_lens: list[int] = field(default_factory=list)
@@ -107,12 +107,12 @@ class ScheduleBatch:
         return cls(ForwardMode.EXTEND, reqs, input_ids, positions, out_cache_loc, seq_lens, extend_lens, prefix_lens)
 
     @classmethod
-    def for_decode(cls, reqs: list[Req], out_cache_loc: torch.Tensor) -> "ScheduleBatch":
+    def for_decode(cls, reqs: list[Req]) -> "ScheduleBatch":
         """Each req feeds its last sampled token, whose KV is not in the pool yet."""
         input_ids = [r.output_ids[-1] for r in reqs]
         positions = [r.seq_len - 1 for r in reqs]
         seq_lens = [r.seq_len for r in reqs]
-        return cls(ForwardMode.DECODE, reqs, input_ids, positions, out_cache_loc, seq_lens, [1] * len(reqs), [s - 1 for s in seq_lens])
+        return cls(ForwardMode.DECODE, reqs, input_ids, positions, None, seq_lens, [1] * len(reqs), [s - 1 for s in seq_lens])
 
     def to_forward_batch(self, device: str) -> ForwardBatch:
         def t(x: list[int]) -> torch.Tensor:

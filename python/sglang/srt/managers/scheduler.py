@@ -15,7 +15,6 @@ import torch
 import zmq
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.layers.sampler import Sampler, SamplingBatchInfo
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -28,9 +27,10 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting
+from sglang.srt.managers.tp_worker import GenerationResult, TpModelWorker
 from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.mem_cache.req_kv import ReqKVManager
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer, resolve_model_path
 
@@ -61,20 +61,20 @@ class Scheduler:
         )
         self.tokenizer = get_tokenizer(resolve_model_path(server_args.tokenizer_path), server_args.trust_remote_code)
         self.eos_ids = _eos_ids(self.model_config.hf_config, self.tokenizer)
-        self.runner = ModelRunner(self.model_config, server_args, gpu_id, tp_rank, server_args.tp_size)
-        self.device = self.runner.device
+        self.worker = TpModelWorker(server_args, self.model_config, gpu_id, tp_rank)
+        runner = self.worker.runner
         self.context_len = self.model_config.context_len
-        self.max_running_requests = self.runner.max_running_requests
-        self.allocator = self.runner.token_allocator
-        self.req_to_token_pool = self.runner.req_to_token_pool
+        self.max_running_requests = runner.max_running_requests
+        self.allocator = runner.token_allocator
+        self.req_to_token_pool = runner.req_to_token_pool
         self.tree_cache = None if server_args.disable_radix_cache else RadixCache(self.allocator)
+        self.kv = ReqKVManager(self.req_to_token_pool, self.allocator, self.tree_cache)
+        self.worker.kv = self.kv
         self.chunk_size = None if server_args.chunked_prefill_size == -1 else server_args.chunked_prefill_size
-        self.sampler = Sampler()
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Optional[Req] = None
-        self.generators: dict[str, torch.Generator] = {}
         self.num_generated_since_log = 0
         self.decode_steps = 0
         self.last_log_time = time.monotonic()
@@ -139,10 +139,7 @@ class Scheduler:
             }
             self.stream_output([req])
             return
-        if msg.sampling_params.sampling_seed is not None:
-            g = torch.Generator(device=self.device)
-            g.manual_seed(msg.sampling_params.sampling_seed)
-            self.generators[req.rid] = g
+        self.worker.add_request(req)
         self.waiting.append(req)
 
     def abort_request(self, rid: str) -> None:
@@ -150,7 +147,7 @@ class Scheduler:
             if req.rid == rid:
                 self.waiting.remove(req)
                 req.finished_reason = {"type": "abort"}
-                self.release(req)
+                self.finish(req)
                 self.stream_output([req])
                 return
         for req in self.running + ([self.chunked_req] if self.chunked_req else []):
@@ -172,15 +169,12 @@ class Scheduler:
             self.chunked_req = None
         for req in aborted:
             req.finished_reason = {"type": "abort"}
-            if req in self.running:
-                self.running.remove(req)
-            self.release(req)
+            self.finish(req)
         if aborted:
             self.stream_output(aborted)
 
     def free_kv_tokens(self) -> int:
-        evictable = self.tree_cache.evictable_size if self.tree_cache else 0
-        return self.allocator.available_size() + evictable
+        return self.kv.free_kv_tokens()
 
     def get_prefill_batch(self) -> Optional[ScheduleBatch]:
         if self.chunked_req is None and not self.waiting:
@@ -192,10 +186,11 @@ class Scheduler:
             self.free_kv_tokens(),
             min(free_slots, self.req_to_token_pool.available_size()),
         )
-        reserve = len(self.running)
+        reserve = len(self.running) * self.worker.decode_kv_need_per_req()
         if self.chunked_req is not None:
             adder.try_add(self.chunked_req, already_has_slot=True, reserve_decode=reserve)
-        self.match_prefixes(self.waiting)
+        for req in self.waiting:
+            self.kv.match_prefix(req)
         for req in order_waiting(self.waiting, self.server_args.schedule_policy, lambda r: r.cached_tokens):
             if not adder.try_add(req, reserve_decode=reserve):
                 break
@@ -204,129 +199,69 @@ class Scheduler:
         for req in adder.reqs:
             if req.req_pool_idx is None:
                 self.waiting.remove(req)
-                self.claim_prefix(req)
+                self.kv.claim(req)
         self.chunked_req = adder.chunked_req
-        out_cache_loc = self.alloc_slots(adder.reqs, [r.extend_len for r in adder.reqs])
+        out_cache_loc = self.kv.assign(adder.reqs, [r.extend_len for r in adder.reqs])
         return ScheduleBatch.for_extend(adder.reqs, out_cache_loc)
 
-    def match_prefixes(self, reqs: list[Req]) -> None:
-        """Look up each waiting request's cached prefix (at least one token stays to extend)."""
-        for req in reqs:
-            if self.tree_cache is None:
-                continue
-            slots, node = self.tree_cache.match_prefix(req.all_ids[:-1])
-            req.cached_tokens, req.last_node = len(slots), node
-            req.prefix_slots = slots
-
-    def claim_prefix(self, req: Req) -> None:
-        req.req_pool_idx = self.req_to_token_pool.alloc()
-        if self.tree_cache is not None:
-            self.tree_cache.inc_lock_ref(req.last_node)
-            n = len(req.prefix_slots)
-            self.req_to_token_pool.write(req.req_pool_idx, 0, req.prefix_slots.to(self.device))
-            req.kv_len = req.cache_prefix_len = n
-
     def get_decode_batch(self) -> Optional[ScheduleBatch]:
-        while self.free_kv_tokens() < len(self.running) and len(self.running) > 1:
+        need = self.worker.decode_kv_need_per_req()
+        while self.free_kv_tokens() < need * len(self.running) and len(self.running) > 1:
             self.retract(self.running[-1])
-        out_cache_loc = self.alloc_slots(self.running, [1] * len(self.running))
-        return ScheduleBatch.for_decode(list(self.running), out_cache_loc)
+        return ScheduleBatch.for_decode(list(self.running))
 
     def retract(self, req: Req) -> None:
         """Out of KV for decoding: send the newest request back to the queue (it re-prefills)."""
         logger.warning("KV cache full: retracting request %s", req.rid)
         self.running.remove(req)
-        self.release(req)
+        self.kv.release(req)
         req.kv_len = req.cache_prefix_len = 0
         self.waiting.insert(0, req)
-
-    def alloc_slots(self, reqs: list[Req], counts: list[int]) -> torch.Tensor:
-        """KV slots for each request's next counts[i] tokens, written into req_to_token."""
-        total = sum(counts)
-        if self.allocator.available_size() < total and self.tree_cache is not None:
-            self.tree_cache.evict(total - self.allocator.available_size())
-        slots = self.allocator.alloc(total)
-        if slots is None:
-            raise RuntimeError(f"KV cache exhausted: need {total}, have {self.allocator.available_size()}")
-        offset = 0
-        for req, n in zip(reqs, counts):
-            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots[offset : offset + n])
-            offset += n
-        return slots
-
-    def release(self, req: Req) -> None:
-        """Return a finished/aborted/retracted request's KV: to the prefix cache or the allocator."""
-        if req.req_pool_idx is None:
-            return
-        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].to("cpu")
-        if self.tree_cache is not None:
-            cached = self.tree_cache.insert(req.all_ids[: req.kv_len], slots)
-            self.allocator.free(slots[req.cache_prefix_len : cached])
-            self.tree_cache.dec_lock_ref(req.last_node)
-        else:
-            self.allocator.free(slots)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-        req.last_node = None
 
     # ------------------------------------------------------------------ run
     def run_and_process(self, batch: ScheduleBatch) -> None:
         self.forward_started_at = time.monotonic()
-        fb = batch.to_forward_batch(self.device)
-        output = self.runner.forward(fb)
-        for req, n in zip(batch.reqs, batch.extend_lens):
-            req.kv_len += n
-        sampling_reqs = [r for r in batch.reqs if r.kv_len == r.seq_len]
-        rows = [i for i, r in enumerate(batch.reqs) if r.kv_len == r.seq_len]
-        if sampling_reqs:
-            self.sample_and_append(sampling_reqs, output.next_token_logits[rows])
+        result = self.worker.forward_batch_generation(batch)
         self.forward_started_at = None
+        for i, req in enumerate(batch.reqs):
+            req.kv_len += result.kv_written[i]
+            self.append_tokens(req, result, i)
         if batch.mode == ForwardMode.EXTEND:
             self.log_prefill(batch)
-            for req in batch.reqs:
-                if req is not self.chunked_req and req.kv_len == req.seq_len - 1 and not req.finished:
-                    self.running.append(req)
+            self.running += [r for r in batch.reqs if r.output_ids and r is not self.chunked_req and not r.finished and r not in self.running]
         else:
-            self.log_decode(batch)
-        finished = [r for r in batch.reqs if r.finished]
-        for req in finished:
-            if req in self.running:
-                self.running.remove(req)
-            self.release(req)
-            self.generators.pop(req.rid, None)
+            self.log_decode(batch, result)
+        for req in batch.reqs:
+            if req.finished:
+                self.finish(req)
         self.stream_output([r for r in batch.reqs if r.finished or (r.stream and r is not self.chunked_req)])
 
-    def sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        zero_budget = [r for r in reqs if r.sampling_params.max_new_tokens == 0]
-        for req in zero_budget:
+    def append_tokens(self, req: Req, result: GenerationResult, i: int) -> None:
+        """Append the step's tokens one by one, stopping at the first stop condition."""
+        if req.kv_len == req.seq_len and req.sampling_params.max_new_tokens == 0:
             req.finished_reason = {"type": "length", "length": 0}
-        if zero_budget:
-            keep = [i for i, r in enumerate(reqs) if not r.finished]
-            reqs, logits = [reqs[i] for i in keep], logits[keep]
-            if not reqs:
-                return
-        info = SamplingBatchInfo.from_requests(
-            [r.sampling_params for r in reqs],
-            [(r.origin_input_ids, r.output_ids) for r in reqs],
-            [self.generators.get(r.rid) for r in reqs],
-            logits.shape[-1],
-            self.device,
-        )
-        want_logprob = any(r.return_logprob for r in reqs)
-        top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
-        out = self.sampler(logits, info, want_logprob, top_n)
-        next_ids = out.next_token_ids.tolist()
-        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        tops = [t.tolist() for t in out.top_logprobs] if out.top_logprobs is not None else None
-        for i, (req, tok) in enumerate(zip(reqs, next_ids)):
+            return
+        for j, tok in enumerate(result.next_token_ids[i]):
             req.output_ids.append(tok)
-            if req.return_logprob:
-                req.output_token_logprobs.append((logprobs[i], tok))
+            if result.logprobs:
+                req.output_token_logprobs.append(result.logprobs[i][j])
                 if req.top_logprobs_num:
-                    k = req.top_logprobs_num
-                    req.output_top_logprobs.append(list(zip(tops[0][i][:k], tops[1][i][:k])))
+                    req.output_top_logprobs.append(result.top_logprobs[i][j])
+            self.num_generated_since_log += 1
             req.check_finished(self.eos_ids, self.context_len, self.stop_tail_text(req))
-        self.num_generated_since_log += len(reqs)
+            if req.finished:
+                break
+        if result.accepted_draft_tokens is not None:
+            req.spec_verify_ct += 1
+        # Only tokens before the newest one have KV; drop KV of tokens cut by a stop.
+        if req.output_ids:
+            self.kv.truncate(req, req.seq_len - 1)
+
+    def finish(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.release(req)
+        self.worker.remove_request(req)
 
     def stop_tail_text(self, req: Req) -> Optional[str]:
         stops = req.sampling_params.stop
@@ -371,7 +306,7 @@ class Scheduler:
             len(self.waiting),
         )
 
-    def log_decode(self, batch: ScheduleBatch) -> None:
+    def log_decode(self, batch: ScheduleBatch, result: GenerationResult) -> None:
         self.decode_steps += 1
         if self.decode_steps % DECODE_LOG_INTERVAL:
             return

@@ -1,0 +1,90 @@
+"""KV slot bookkeeping per request, shared by the scheduler and the model workers.
+
+Invariant: for a request with a row, req_to_token[row, :req.kv_len] are slots whose KV is
+written; slots [0, cache_prefix_len) belong to the prefix cache, the rest to the request.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from sglang.srt.mem_cache.radix_cache import RadixCache
+
+
+class ReqKVManager:
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: TokenToKVPoolAllocator,
+        tree_cache: Optional[RadixCache],
+    ):
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+
+    def free_kv_tokens(self) -> int:
+        evictable = self.tree_cache.evictable_size if self.tree_cache else 0
+        return self.allocator.available_size() + evictable
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """n free slots, evicting cached prefixes if needed."""
+        short = n - self.allocator.available_size()
+        if short > 0 and self.tree_cache is not None:
+            self.tree_cache.evict(short)
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            raise RuntimeError(f"KV cache exhausted: need {n} slots, {self.allocator.available_size()} free")
+        return slots
+
+    def assign(self, reqs: list[Req], counts: list[int]) -> torch.Tensor:
+        """Slots for each request's next counts[i] positions (from kv_len), written into its row."""
+        slots = self.alloc(sum(counts))
+        offset = 0
+        for req, n in zip(reqs, counts):
+            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots[offset : offset + n])
+            offset += n
+        return slots
+
+    def slots_of(self, req: Req, start: int, end: int) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end]
+
+    def truncate(self, req: Req, new_kv_len: int) -> None:
+        """Free the request-owned slots past new_kv_len (tokens dropped after a stop)."""
+        if new_kv_len < req.kv_len:
+            self.allocator.free(self.slots_of(req, max(new_kv_len, req.cache_prefix_len), req.kv_len))
+            req.kv_len = new_kv_len
+
+    def claim(self, req: Req) -> None:
+        """Give a waiting request a row and lock its matched prefix (set by match_prefix)."""
+        req.req_pool_idx = self.req_to_token_pool.alloc()
+        if self.tree_cache is not None and req.prefix_slots is not None:
+            self.tree_cache.inc_lock_ref(req.last_node)
+            self.req_to_token_pool.write(req.req_pool_idx, 0, req.prefix_slots.to(self.req_to_token_pool.req_to_token.device))
+            req.kv_len = req.cache_prefix_len = len(req.prefix_slots)
+        req.prefix_slots = None
+
+    def match_prefix(self, req: Req) -> None:
+        """Look up a waiting request's cached prefix (at least one token stays to extend)."""
+        if self.tree_cache is None:
+            return
+        slots, node = self.tree_cache.match_prefix(req.all_ids[:-1])
+        req.cached_tokens, req.last_node, req.prefix_slots = len(slots), node, slots
+
+    def release(self, req: Req) -> None:
+        """Return a finished/aborted/retracted request's KV to the prefix cache or the allocator."""
+        if req.req_pool_idx is None:
+            return
+        slots = self.slots_of(req, 0, req.kv_len).to("cpu")
+        if self.tree_cache is not None:
+            cached = self.tree_cache.insert(req.all_ids[: req.kv_len], slots)
+            self.allocator.free(slots[req.cache_prefix_len : cached])
+            if req.last_node is not None:
+                self.tree_cache.dec_lock_ref(req.last_node)
+        else:
+            self.allocator.free(slots)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.last_node = None, None
