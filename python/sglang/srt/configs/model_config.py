@@ -30,6 +30,15 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def _causal_lm_architecture(model_type: str) -> str:
+    """transformers' causal-LM class name for a model_type (e.g. llama -> LlamaForCausalLM)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"config has no architectures and model_type {model_type!r} has no causal-LM class")
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+
+
 class ModelConfig:
     def __init__(
         self,
@@ -49,7 +58,9 @@ class ModelConfig:
             setattr(self.hf_config, key, value)
         if architectures is not None:
             self.hf_config.architectures = list(architectures)
-        self.architectures: list[str] = list(self.hf_config.architectures or [])
+        if not getattr(self.hf_config, "architectures", None):  # GGUF configs carry only model_type
+            self.hf_config.architectures = [_causal_lm_architecture(self.hf_config.model_type)]
+        self.architectures: list[str] = list(self.hf_config.architectures)
         self.dtype = resolve_dtype(dtype, device)
 
         cfg = self.hf_config
