@@ -41,12 +41,12 @@ _COMMON: dict[str, Any] = dict(
     initializer_range=0.1,
     tie_word_embeddings=False,
 )
-# DeepSeek-style YaRN: original context 64, factor 4, distinct mscale / mscale_all_dim.
+# DeepSeek-style YaRN: original context 128 (x4 = max_position_embeddings), distinct mscale / mscale_all_dim.
 YARN_ROPE = {
     "rope_type": "yarn",
     "rope_theta": 10000.0,
     "factor": 4.0,
-    "original_max_position_embeddings": 64,
+    "original_max_position_embeddings": 128,
     "beta_fast": 32,
     "beta_slow": 1,
     "mscale": 1.0,
