@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.model_loader import get_model
-from sglang.srt.model_loader.gguf_loader import gguf_weights_iterator
+from sglang.srt.model_loader.loader import resolve_load_format, iterate_weights
 from sglang.srt.models.registry import get_model_class
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer, resolve_model_path
 from sglang.test.model_harness import ModelHarness
@@ -106,19 +106,22 @@ def test_resolve_model_path(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """Our SmolLM2 (from the packaged GGUF) and transformers' LlamaForCausalLM on the same dequantized weights."""
+    """Our SmolLM2 and transformers' LlamaForCausalLM, both given the GGUF's dequantized weights (read once)."""
     config = ModelConfig("SmolLM2-135M-Instruct", dtype="float32", device="cpu")
-    ours = get_model(config, "auto", "cpu")
+    assert resolve_load_format(config.model_path, "auto") == "gguf"
+    weights = dict(iterate_weights(config, "gguf"))
+    ours = get_model(config, "dummy", "cpu")
+    ours.load_weights(weights.items())
     hf = AutoModelForCausalLM.from_config(config.hf_config, dtype=torch.float32).eval()
-    missing, unexpected = hf.load_state_dict(dict(gguf_weights_iterator(config.model_path, config.hf_config)), strict=False)
+    missing, unexpected = hf.load_state_dict(weights, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
     return ModelHarness(ours, config, max_context_len=128), hf, get_tokenizer("SmolLM2-135M-Instruct")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(60)
 def test_gguf_smollm2_greedy_matches_hf(smollm2):
     harness, hf, tokenizer = smollm2
-    questions = ["What is the capital of France?", "Say hello.", "What is 2+2?"]
+    questions = ["What is the capital of France?", "Say hello."]
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
         for q in questions

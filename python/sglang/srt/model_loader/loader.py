@@ -38,7 +38,7 @@ def _build_context(dtype: torch.dtype, device: str):
         torch.set_default_dtype(old_dtype)
 
 
-def _resolve_format(model_path: str, load_format: str) -> str:
+def resolve_load_format(model_path: str, load_format: str) -> str:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose one of {LOAD_FORMATS}")
     if load_format != "auto":
@@ -61,7 +61,7 @@ def iterate_weights(model_config: ModelConfig, load_format: str) -> Iterator[tup
 
 def get_model(model_config: ModelConfig, load_format: str, device: str, seed: int = 42) -> nn.Module:
     """The model of model_config's architecture, in eval mode, on device, in model_config.dtype."""
-    load_format = _resolve_format(model_config.model_path, load_format)
+    load_format = resolve_load_format(model_config.model_path, load_format)
     model_cls = get_model_class(model_config.architectures)
     logger.info("Building %s (%s, %s) with %s weights", model_cls.__name__, model_config.dtype, device, load_format)
     with _build_context(model_config.dtype, device):
