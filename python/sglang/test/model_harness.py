@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.parallel_state import get_tp_size
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import (
     KVPool,
@@ -40,7 +41,7 @@ def make_kv_pool(model_config: ModelConfig, size: int, device: str) -> KVPool:
             model_config.num_hidden_layers, device,
         )
     return MHATokenToKVPool(
-        size, model_config.dtype, model_config.num_key_value_heads, model_config.head_dim,
+        size, model_config.dtype, model_config.get_num_kv_heads(get_tp_size()), model_config.head_dim,
         model_config.num_hidden_layers, device,
     )
 

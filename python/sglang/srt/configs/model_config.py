@@ -83,6 +83,10 @@ class ModelConfig:
         else:
             self.head_dim = getattr(cfg, "head_dim", None) or self.hidden_size // self.num_attention_heads
 
+    def get_num_kv_heads(self, tp_size: int) -> int:
+        """KV heads held by one tensor-parallel rank (KV heads are replicated when tp_size exceeds them)."""
+        return max(1, self.num_key_value_heads // tp_size)
+
     def __repr__(self) -> str:
         return (
             f"ModelConfig(path={self.model_path!r}, architectures={self.architectures}, dtype={self.dtype}, "
