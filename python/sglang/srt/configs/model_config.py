@@ -65,6 +65,10 @@ class ModelConfig:
 
         cfg = self.hf_config
         derived_context = getattr(cfg, "max_position_embeddings", None) or 2048
+        if context_length is not None and context_length > derived_context:
+            raise ValueError(
+                f"--context-length {context_length} exceeds the model's max_position_embeddings {derived_context}"
+            )
         self.context_len: int = context_length or derived_context
         self.hidden_size: int = cfg.hidden_size
         self.vocab_size: int = cfg.vocab_size
