@@ -43,7 +43,9 @@ class PrefillAdder:
         if not already_has_slot and self.free_req_slots == 0:
             return False
         remaining = req.pending_extend
-        room = min(self.token_budget - self.num_tokens, self.free_kv_tokens - reserve_decode)
+        # A matched prefix gets locked when the request joins, so it stops counting as evictable.
+        locked = 0 if already_has_slot else req.cached_tokens
+        room = min(self.token_budget - self.num_tokens, self.free_kv_tokens - reserve_decode - locked)
         if self.chunk_size is not None:
             room = min(room, self.chunk_size - self.num_tokens)
         if room <= 0:
@@ -54,8 +56,7 @@ class PrefillAdder:
         if req.extend_len < remaining:
             self.chunked_req = req
         self.reqs.append(req)
-        # A matched prefix gets locked, so it stops counting as evictable.
-        self.free_kv_tokens -= req.extend_len + (0 if already_has_slot else req.cached_tokens)
+        self.free_kv_tokens -= req.extend_len + locked
         if not already_has_slot:
             self.free_req_slots -= 1
         return True
