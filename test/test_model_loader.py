@@ -95,6 +95,17 @@ def test_unknown_architecture_lists_supported():
         get_model_class(["NoSuchForCausalLM"])
 
 
+def test_tiny_tokenizer_round_trip_and_chat_template(tiny_llama_dir):
+    tokenizer = get_tokenizer(tiny_llama_dir)
+    config = ModelConfig(tiny_llama_dir)
+    assert len(tokenizer) == config.vocab_size
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (config.hf_config.bos_token_id, config.hf_config.eos_token_id)
+    text = "What is the capital of France?"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat == "<|bos|><|user|>hi<|eos|><|assistant|>"
+
+
 def test_resolve_model_path(tmp_path):
     gguf_path = resolve_model_path("SmolLM2-135M-Instruct")
     assert gguf_path.endswith(".gguf") and os.path.isfile(gguf_path)
