@@ -61,15 +61,20 @@ class Scheduler:
         )
         self.tokenizer = get_tokenizer(resolve_model_path(server_args.tokenizer_path), server_args.trust_remote_code)
         self.eos_ids = _eos_ids(self.model_config.hf_config, self.tokenizer)
-        self.worker = TpModelWorker(server_args, self.model_config, gpu_id, tp_rank)
-        runner = self.worker.runner
+        target = TpModelWorker(server_args, self.model_config, gpu_id, tp_rank)
+        runner = target.runner
         self.context_len = self.model_config.context_len
         self.max_running_requests = runner.max_running_requests
         self.allocator = runner.token_allocator
         self.req_to_token_pool = runner.req_to_token_pool
         self.tree_cache = None if server_args.disable_radix_cache else RadixCache(self.allocator)
         self.kv = ReqKVManager(self.req_to_token_pool, self.allocator, self.tree_cache)
-        self.worker.kv = self.kv
+        target.kv = self.kv
+        self.worker = target
+        if server_args.speculative_algorithm is not None:
+            from sglang.srt.speculative.eagle_worker import EAGLEWorker
+
+            self.worker = EAGLEWorker(server_args, target, gpu_id, tp_rank)
         self.chunk_size = None if server_args.chunked_prefill_size == -1 else server_args.chunked_prefill_size
 
         self.waiting: list[Req] = []
@@ -79,6 +84,9 @@ class Scheduler:
         self.decode_steps = 0
         self.last_log_time = time.monotonic()
         self.last_gen_throughput = 0.0
+        # Speculative decoding: tokens produced by verify steps and the number of such steps.
+        self.spec_tokens_total = self.spec_steps_total = 0
+        self.spec_tokens_since_log = self.spec_steps_since_log = 0
         self.forward_started_at: Optional[float] = None
 
         ctx = zmq.Context(2)
@@ -253,6 +261,8 @@ class Scheduler:
                 break
         if result.accepted_draft_tokens is not None:
             req.spec_verify_ct += 1
+            self.spec_tokens_since_log += result.accepted_draft_tokens[i] + 1
+            self.spec_steps_since_log += 1
         # Only tokens before the newest one have KV; drop KV of tokens cut by a stop.
         if req.output_ids:
             self.kv.truncate(req, req.seq_len - 1)
@@ -313,15 +323,29 @@ class Scheduler:
         now = time.monotonic()
         self.last_gen_throughput = self.num_generated_since_log / max(now - self.last_log_time, 1e-6)
         self.num_generated_since_log, self.last_log_time = 0, now
+        spec = ""
+        if self.spec_steps_since_log:
+            spec = f"accept len: {self.spec_tokens_since_log / self.spec_steps_since_log:.2f}, "
+            self.spec_tokens_total += self.spec_tokens_since_log
+            self.spec_steps_total += self.spec_steps_since_log
+            self.spec_tokens_since_log = self.spec_steps_since_log = 0
         logger.info(
-            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %sgen throughput (token/s): %.2f, "
             "#queue-req: %d",
             len(batch.reqs),
             self.allocator.size - self.free_kv_tokens(),
             self.token_usage(),
+            spec,
             self.last_gen_throughput,
             len(self.waiting),
         )
+
+    def avg_spec_accept_length(self) -> Optional[float]:
+        """Mean tokens per request per verify step since startup (None without speculation)."""
+        steps = self.spec_steps_total + self.spec_steps_since_log
+        if self.server_args.speculative_algorithm is None:
+            return None
+        return (self.spec_tokens_total + self.spec_tokens_since_log) / steps if steps else 0.0
 
     # ------------------------------------------------------------------ control
     def flush_cache(self) -> bool:
@@ -335,7 +359,7 @@ class Scheduler:
     def internal_state(self) -> dict:
         return {
             "dp_rank": self.dp_rank or 0,
-            "avg_spec_accept_length": None,
+            "avg_spec_accept_length": self.avg_spec_accept_length(),
             "max_total_num_tokens": self.allocator.size,
             "available_kv_tokens": self.free_kv_tokens(),
             "last_gen_throughput": self.last_gen_throughput,
