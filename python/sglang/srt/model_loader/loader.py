@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.model_loader.gguf_loader import gguf_weights_iterator
 from sglang.srt.model_loader.weight_utils import (
     find_weight_files,
     init_dummy_weights,
@@ -52,6 +51,8 @@ def resolve_load_format(model_path: str, load_format: str) -> str:
 def iterate_weights(model_config: ModelConfig, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs of the checkpoint; load_format already resolved (not auto/dummy)."""
     if load_format == "gguf":
+        from sglang.srt.model_loader.gguf_loader import gguf_weights_iterator  # needs the gguf package
+
         return gguf_weights_iterator(model_config.model_path, model_config.hf_config)
     files = find_weight_files(model_config.model_path, load_format)
     if load_format == "safetensors":
