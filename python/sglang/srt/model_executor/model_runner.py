@@ -76,7 +76,7 @@ class ModelRunner:
         itemsize = self.dtype.itemsize
         if cfg.is_mla:
             return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize * self.num_kv_layers
-        kv_heads = max(1, cfg.num_key_value_heads // self.tp_size)
+        kv_heads = cfg.get_num_kv_heads(self.tp_size)
         return 2 * kv_heads * cfg.head_dim * itemsize * self.num_kv_layers
 
     def _profile_max_num_tokens(self, shared_allocator: Optional[TokenToKVPoolAllocator]) -> int:
@@ -112,7 +112,7 @@ class ModelRunner:
             return MLATokenToKVPool(
                 size, self.dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim, self.num_kv_layers, self.device
             )
-        kv_heads = max(1, cfg.num_key_value_heads // self.tp_size)
+        kv_heads = cfg.get_num_kv_heads(self.tp_size)
         return MHATokenToKVPool(size, self.dtype, kv_heads, cfg.head_dim, self.num_kv_layers, self.device)
 
     # ------------------------------------------------------------------ forward
