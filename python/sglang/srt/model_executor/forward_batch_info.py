@@ -62,8 +62,10 @@ class ForwardBatch:
     logits_indices: Optional[torch.Tensor] = None
     # Speculative decoding input (draft hidden states etc.), owned by speculative/.
     spec_info: Any = None
-    # DP attention: tokens each DP rank contributes to this forward (same on every rank).
+    # DP attention: tokens each DP rank contributes to this forward (same on every rank),
+    # and this rank's gathered buffer (allocated once; sliced per forward, never kept).
     global_num_tokens: Optional[list[int]] = None
+    gathered_buffer: Optional[torch.Tensor] = None
     # Set by the model runner before the forward.
     attn_backend: Optional["AttentionBackend"] = None
     req_to_token_pool: Optional["ReqToTokenPool"] = None
