@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
+# (steps, topk, num_draft_tokens) when none of the three is given.
+AUTO_SPECULATIVE_PARAMS = (3, 1, 4)
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "gguf")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
@@ -109,10 +111,22 @@ class ServerArgs:
             self.mem_fraction_static = 0.88
         if self.device == "cpu":
             self.disable_cuda_graph = True
-        if self.speculative_algorithm == "NEXTN":
-            # NEXTN is EAGLE with the DeepSeek MTP layer as draft (as in SGLang).
-            if self.speculative_draft_model_path is None:
-                self.speculative_draft_model_path = self.model_path
+        if self.speculative_algorithm is not None:
+            self._resolve_speculative_defaults()
+
+    def _resolve_speculative_defaults(self) -> None:
+        """SGLang's rules: NEXTN drafts from the target checkpoint; all three sizes unset means
+        the automatic choice; topk defaults to 1; topk 1 forces num_draft_tokens = steps + 1."""
+        if self.speculative_algorithm == "NEXTN" and self.speculative_draft_model_path is None:
+            self.speculative_draft_model_path = self.model_path
+        sizes = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
+        if sizes == (None, None, None):
+            self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = AUTO_SPECULATIVE_PARAMS
+            return
+        if self.speculative_eagle_topk is None:
+            self.speculative_eagle_topk = 1
+        if self.speculative_eagle_topk == 1 and self.speculative_num_steps is not None:
+            self.speculative_num_draft_tokens = self.speculative_num_steps + 1
 
     # ------------------------------------------------------------------ validation
     def check(self) -> None:
@@ -130,6 +144,8 @@ class ServerArgs:
             raise ValueError(f"--node-rank must be in [0, --nnodes); got {self.node_rank} with --nnodes {self.nnodes}")
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("--nnodes > 1 needs --dist-init-addr host:port")
+        if self.tp_size % self.nnodes != 0:
+            raise ValueError(f"--tp-size ({self.tp_size}) must be divisible by --nnodes ({self.nnodes})")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if not 0 < self.port < 65536:
@@ -169,6 +185,17 @@ class ServerArgs:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.speculative_algorithm in ("EAGLE", "EAGLE3") and self.speculative_draft_model_path is None:
             raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} needs --speculative-draft-model-path")
+        steps, topk, draft = self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens
+        if steps is None:
+            raise ValueError("--speculative-num-steps is needed when --speculative-eagle-topk or --speculative-num-draft-tokens is set")
+        if draft is None:
+            raise ValueError(f"--speculative-num-draft-tokens is needed with --speculative-eagle-topk {topk}")
+        max_draft = 1 + topk + (steps - 1) * topk * topk  # the root plus every drafted candidate
+        if not 2 <= draft <= max_draft:
+            raise ValueError(
+                f"--speculative-num-draft-tokens must be in [2, {max_draft}] for --speculative-num-steps {steps} "
+                f"and --speculative-eagle-topk {topk}, got {draft}"
+            )
 
     def not_supported_yet(self) -> Optional[str]:
         """The message for the first requested feature that is not implemented yet."""
@@ -202,9 +229,9 @@ _NOT_SUPPORTED_YET.extend(
         (lambda a: a.page_size != 1, "--page-size other than 1 is not supported yet"),
         (lambda a: a.attention_backend in ("triton", "flashinfer"),
          "--attention-backend triton/flashinfer is not supported yet; use torch_native"),
-        (lambda a: a.tp_size > 1 or a.dp_size > 1 or a.nnodes > 1,
-         "--tp-size/--dp-size/--nnodes > 1 are not supported yet"),
-        (lambda a: a.speculative_algorithm is not None, "--speculative-algorithm is not supported yet"),
+        (lambda a: a.nnodes > 1 and a.dp_size > 1 and not a.enable_dp_attention,
+         "--dp-size replicas across --nnodes > 1 are not supported yet (use --enable-dp-attention)"),
+        (lambda a: a.speculative_algorithm == "EAGLE3", "--speculative-algorithm EAGLE3 is not supported yet; use EAGLE or NEXTN"),
     ]
 )
 
@@ -264,32 +291,57 @@ def prepare_server_args(argv: list[str]) -> ServerArgs:
 
 @dataclass(frozen=True)
 class PortArgs:
-    """ZMQ endpoints between the processes (ipc:// paths in a private temp dir)."""
+    """ZMQ endpoints between the processes: ipc:// paths in a private temp dir on one node,
+    tcp:// ports next to --dist-init-addr when ranks span several nodes."""
 
-    # TokenizerManager -> DataParallelController or scheduler rank 0 (requests, control)
+    # TokenizerManager -> DataParallelController or scheduler (requests, control)
     scheduler_input_ipc_name: str
+    # DataParallelController -> entry rank of each DP rank (one per DP rank; unused at dp 1)
+    dp_input_ipc_names: tuple[str, ...]
     # Schedulers -> DetokenizerManager (BatchTokenIDOut)
     detokenizer_ipc_name: str
     # DetokenizerManager and schedulers -> TokenizerManager (BatchStrOut, control replies)
     tokenizer_ipc_name: str
-    # torch.distributed init method between scheduler ranks
-    nccl_port: int
+    # torch.distributed rendezvous port of each model replica (one per DP replica)
+    nccl_ports: tuple[int, ...]
+    run_dir: str
+
+    @property
+    def nccl_port(self) -> int:
+        return self.nccl_ports[0]
 
     @classmethod
     def init_new(cls, server_args: ServerArgs) -> "PortArgs":
-        import socket
         import tempfile
 
         run_dir = tempfile.mkdtemp(prefix="sglang-")
-        if server_args.dist_init_addr:
-            nccl_port = int(server_args.dist_init_addr.rsplit(":", 1)[1])
-        else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                nccl_port = s.getsockname()[1]
+        replicas = 1 if server_args.enable_dp_attention else server_args.dp_size
+        if server_args.nnodes > 1:
+            host, port = server_args.dist_init_addr.rsplit(":", 1)
+            base = int(port)
+            tcp = lambda offset: f"tcp://{host}:{base + offset}"  # noqa: E731
+            return cls(
+                scheduler_input_ipc_name=tcp(1),
+                dp_input_ipc_names=tuple(tcp(4 + r) for r in range(server_args.dp_size)),
+                detokenizer_ipc_name=tcp(2),
+                tokenizer_ipc_name=tcp(3),
+                nccl_ports=(base,),
+                run_dir=run_dir,
+            )
+        ipc = lambda name: f"ipc://{run_dir}/{name}"  # noqa: E731
         return cls(
-            scheduler_input_ipc_name=f"ipc://{run_dir}/scheduler_input",
-            detokenizer_ipc_name=f"ipc://{run_dir}/detokenizer",
-            tokenizer_ipc_name=f"ipc://{run_dir}/tokenizer",
-            nccl_port=nccl_port,
+            scheduler_input_ipc_name=ipc("scheduler_input"),
+            dp_input_ipc_names=tuple(ipc(f"dp_input_{r}") for r in range(server_args.dp_size)),
+            detokenizer_ipc_name=ipc("detokenizer"),
+            tokenizer_ipc_name=ipc("tokenizer"),
+            nccl_ports=tuple(_free_port() for _ in range(replicas)),
+            run_dir=run_dir,
         )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

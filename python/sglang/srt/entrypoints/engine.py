@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Iterator, Optional, Union
 
+from sglang.srt.managers.data_parallel_controller import start_scheduler_side
 from sglang.srt.managers.io_struct import SchedulerReady
 from sglang.srt.managers.tokenizer_manager import GenerateReqInput, TokenizerManager, final_output, incremental_outputs
 from sglang.srt.server_args import PortArgs, ServerArgs
@@ -68,28 +69,6 @@ class Subprocesses:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-def _start_scheduler_side(server_args: ServerArgs, port_args: PortArgs, ctx, subprocesses: Subprocesses) -> list[Connection]:
-    """Start what receives from the TokenizerManager: today one scheduler per TP rank
-    (dp_size 1). A DataParallelController replaces this under DP. Returns one pipe per
-    process that will report a SchedulerReady."""
-    from sglang.srt.managers.scheduler import run_scheduler_process
-
-    readers = []
-    for tp_rank in range(server_args.tp_size):
-        reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=run_scheduler_process,
-            args=(server_args, port_args, tp_rank, tp_rank, None, writer),
-            name=f"scheduler-tp{tp_rank}",
-            daemon=False,
-        )
-        proc.start()
-        writer.close()  # so that recv() sees EOF if the child dies before reporting
-        subprocesses.add(proc)
-        readers.append(reader)
-    return readers
-
-
 def _launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, dict[str, Any], Subprocesses]:
     """Start the detokenizer and the scheduler side, and wait until every scheduler is ready.
     Raises RuntimeError with the scheduler's error text if startup fails."""
@@ -100,12 +79,12 @@ def _launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, dic
     # Bind our sockets before the children connect.
     tokenizer_manager = TokenizerManager(server_args, port_args)
     ctx = mp.get_context("spawn")
-    subprocesses = Subprocesses(os.path.dirname(port_args.tokenizer_ipc_name.removeprefix("ipc://")))
+    subprocesses = Subprocesses(port_args.run_dir)
     try:
         detokenizer = ctx.Process(target=run_detokenizer_process, args=(server_args, port_args), name="detokenizer")
         detokenizer.start()
         subprocesses.add(detokenizer)
-        readers = _start_scheduler_side(server_args, port_args, ctx, subprocesses)
+        readers = start_scheduler_side(server_args, port_args, ctx, subprocesses)
         infos = [_wait_ready(reader) for reader in readers]
     except BaseException:
         subprocesses.shutdown()

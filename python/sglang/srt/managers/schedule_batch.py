@@ -92,6 +92,13 @@ class ScheduleBatch:
     seq_lens: list[int]
     extend_lens: list[int]
     prefix_lens: list[int] = field(default_factory=list)
+    # DP attention: tokens of every DP rank in this forward (from the iteration's all-gather).
+    global_num_tokens: Optional[list[int]] = None
+
+    @classmethod
+    def idle(cls) -> "ScheduleBatch":
+        """No local requests; still runs the forward so that every collective is issued."""
+        return cls(ForwardMode.IDLE, [], [], [], torch.empty(0, dtype=torch.int64), [], [])
 
     @classmethod
     def for_extend(cls, reqs: list[Req], out_cache_loc: torch.Tensor) -> "ScheduleBatch":
@@ -129,4 +136,5 @@ class ScheduleBatch:
             extend_seq_lens=t(self.extend_lens),
             seq_lens_cpu=list(self.seq_lens),
             extend_seq_lens_cpu=list(self.extend_lens),
+            global_num_tokens=self.global_num_tokens,
         )

@@ -50,8 +50,11 @@ class PrefillAdder:
             room = min(room, self.chunk_size - self.num_tokens)
         if room <= 0:
             return False
-        if remaining > room and self.chunk_size is None:
-            return False
+        if self.chunk_size is None and remaining > room:
+            # Unchunked: a prompt above the token budget may still run alone if the KV fits.
+            if self.reqs or remaining > self.free_kv_tokens - reserve_decode - locked:
+                return False
+            room = remaining
         req.extend_len = min(remaining, room)
         if req.extend_len < remaining:
             self.chunked_req = req

@@ -15,6 +15,8 @@ import torch
 import zmq
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.parallel_state import initialize_model_parallel
+from sglang.srt.distributed.scheduler_comm import LocalPlan, SchedulerComm, init_distributed
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -50,7 +52,10 @@ class Scheduler:
         dp_rank: Optional[int],
     ):
         self.server_args = server_args
-        self.tp_rank, self.dp_rank = tp_rank, dp_rank
+        self.tp_rank = tp_rank
+        self.comm = self.init_distributed(port_args, tp_rank, dp_rank)
+        # Under DP attention the DP rank follows from the TP rank; replicas are given theirs.
+        self.dp_rank = tp_rank // server_args.attn_tp_size if server_args.enable_dp_attention else dp_rank
         model_path = resolve_model_path(server_args.model_path)
         self.model_config = ModelConfig(
             model_path,
@@ -75,7 +80,9 @@ class Scheduler:
             from sglang.srt.speculative.eagle_worker import EAGLEWorker
 
             self.worker = EAGLEWorker(server_args, target, gpu_id, tp_rank)
-        self.chunk_size = None if server_args.chunked_prefill_size == -1 else server_args.chunked_prefill_size
+        # Under DP attention prefill is always chunked so that it fits the gathered buffer.
+        no_chunking = server_args.chunked_prefill_size == -1 and not server_args.enable_dp_attention
+        self.chunk_size = None if no_chunking else runner.prefill_token_budget()
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -89,13 +96,32 @@ class Scheduler:
         self.spec_tokens_since_log = self.spec_steps_since_log = 0
         self.forward_started_at: Optional[float] = None
 
-        ctx = zmq.Context(2)
-        self.recv_from_tokenizer = ctx.socket(zmq.PULL)
-        self.recv_from_tokenizer.connect(port_args.scheduler_input_ipc_name)
-        self.send_to_detokenizer = ctx.socket(zmq.PUSH)
-        self.send_to_detokenizer.connect(port_args.detokenizer_ipc_name)
-        self.send_to_tokenizer = ctx.socket(zmq.PUSH)
-        self.send_to_tokenizer.connect(port_args.tokenizer_ipc_name)
+        self.globally_idle = True
+        # Only the entry rank of each DP rank talks to the other processes.
+        self.recv_from_tokenizer = self.send_to_detokenizer = self.send_to_tokenizer = None
+        if self.comm.is_entry_rank:
+            ctx = zmq.Context(2)
+            self.recv_from_tokenizer = ctx.socket(zmq.PULL)
+            dp_input = server_args.dp_size > 1
+            self.recv_from_tokenizer.connect(
+                port_args.dp_input_ipc_names[self.dp_rank] if dp_input else port_args.scheduler_input_ipc_name
+            )
+            self.send_to_detokenizer = ctx.socket(zmq.PUSH)
+            self.send_to_detokenizer.connect(port_args.detokenizer_ipc_name)
+            self.send_to_tokenizer = ctx.socket(zmq.PUSH)
+            self.send_to_tokenizer.connect(port_args.tokenizer_ipc_name)
+
+    def init_distributed(self, port_args: PortArgs, tp_rank: int, dp_rank: Optional[int]) -> SchedulerComm:
+        """torch.distributed over the ranks of this model replica, then the model-parallel groups."""
+        args = self.server_args
+        if args.tp_size > 1:
+            replica = 0 if args.enable_dp_attention or dp_rank is None else dp_rank
+            addr = args.dist_init_addr or f"127.0.0.1:{port_args.nccl_ports[replica]}"
+            init_distributed(args.device, args.tp_size, tp_rank, f"tcp://{addr}", args.watchdog_timeout)
+            initialize_model_parallel(
+                args.tp_size, tp_rank, dp_size=args.dp_size, enable_dp_attention=args.enable_dp_attention
+            )
+        return SchedulerComm(args.tp_size, tp_rank, args.attn_tp_size, args.enable_dp_attention)
 
     @property
     def max_req_input_len(self) -> int:
@@ -104,20 +130,48 @@ class Scheduler:
     # ------------------------------------------------------------------ loop
     def event_loop(self) -> None:
         while True:
-            self.recv_requests(block=not (self.waiting or self.running or self.chunked_req))
+            has_work = bool(self.waiting or self.running or self.chunked_req)
+            for msg in self.comm.broadcast_requests(self.recv_requests(block=not has_work and self.globally_idle)):
+                self.handle_message(msg)
             batch = self.get_next_batch()
+            if self.comm.dp_attention:
+                batch = self.agree_on_plan(batch)
             if batch is not None:
                 self.run_and_process(batch)
 
-    def recv_requests(self, block: bool) -> None:
-        if block and not self.recv_from_tokenizer.poll(_IDLE_POLL_MS):
-            return
+    def recv_requests(self, block: bool) -> list:
+        """Drain the entry rank's socket (waiting briefly when there is nothing to do)."""
+        if self.recv_from_tokenizer is None or (block and not self.recv_from_tokenizer.poll(_IDLE_POLL_MS)):
+            return []
+        msgs = []
         while True:
             try:
-                msg = self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK)
+                msgs.append(self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK))
             except zmq.ZMQError:
-                return
-            self.handle_message(msg)
+                return msgs
+
+    def agree_on_plan(self, batch: Optional[ScheduleBatch]) -> Optional[ScheduleBatch]:
+        """The one all-gather of the iteration: every rank learns every DP rank's token count.
+        A rank without work runs an IDLE batch so that each collective is issued everywhere."""
+        self.forward_started_at = time.monotonic()
+        local = LocalPlan(
+            num_tokens=len(batch.input_ids) if batch else 0,
+            num_reqs=len(batch.reqs) if batch else 0,
+            is_extend=int(batch is not None and batch.mode == ForwardMode.EXTEND),
+        )
+        plan = self.comm.gather_plan(local)
+        self.forward_started_at = None
+        self.globally_idle = plan.all_idle
+        if plan.all_idle:
+            return None
+        batch = batch or ScheduleBatch.idle()
+        batch.global_num_tokens = plan.global_num_tokens
+        if self.server_args.debug_collectives:
+            self.comm.check_agreement(
+                {"global_num_tokens": plan.global_num_tokens, "cuda_graph": False},
+                {"mode": int(batch.mode), "input_ids": batch.input_ids, "seq_lens": batch.seq_lens},
+            )
+        return batch
 
     def handle_message(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReqInput):
@@ -125,9 +179,9 @@ class Scheduler:
         elif isinstance(msg, AbortReq):
             self.abort_request(msg.rid)
         elif isinstance(msg, FlushCacheReq):
-            self.send_to_tokenizer.send_pyobj(FlushCacheReqOutput(self.flush_cache()))
+            self.reply(FlushCacheReqOutput(self.flush_cache()))
         elif isinstance(msg, GetInternalStateReq):
-            self.send_to_tokenizer.send_pyobj(GetInternalStateReqOutput(self.internal_state()))
+            self.reply(GetInternalStateReqOutput(self.internal_state()))
         else:
             logger.error("Scheduler got an unknown message: %r", type(msg))
 
@@ -281,8 +335,12 @@ class Scheduler:
         return self.tokenizer.decode(req.output_ids[-n:])
 
     # ------------------------------------------------------------------ output
+    def reply(self, msg) -> None:
+        if self.send_to_tokenizer is not None:
+            self.send_to_tokenizer.send_pyobj(msg)
+
     def stream_output(self, reqs: list[Req]) -> None:
-        if not reqs:
+        if not reqs or self.send_to_detokenizer is None:
             return
         self.send_to_detokenizer.send_pyobj(
             BatchTokenIDOut(

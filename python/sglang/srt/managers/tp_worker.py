@@ -59,6 +59,8 @@ class TpModelWorker:
         if batch.mode == ForwardMode.DECODE:
             batch.out_cache_loc = self.kv.assign(batch.reqs, [1] * len(batch.reqs))
         output = self.runner.forward(batch.to_forward_batch(self.device))
+        if batch.mode == ForwardMode.IDLE:
+            return GenerationResult([], [])
         # Requests whose whole sequence now has KV get a token; a chunked prefill does not.
         ready = [i for i, r in enumerate(batch.reqs) if r.kv_len + batch.extend_lens[i] == r.seq_len]
         result = GenerationResult([[] for _ in batch.reqs], list(batch.extend_lens))

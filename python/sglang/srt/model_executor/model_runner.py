@@ -10,6 +10,7 @@ import torch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.attention.base import AttentionBackend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.dp_attention import gathered_buffer_rows
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import (
@@ -46,6 +47,8 @@ class ModelRunner:
         self.model_config = model_config
         self.server_args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        # KV heads are sharded over the attention-TP group (all of TP unless DP attention).
+        self.attn_tp_size = server_args.attn_tp_size
         self.device = f"cuda:{gpu_id}" if server_args.device == "cuda" else "cpu"
         if server_args.device == "cuda":
             torch.cuda.set_device(gpu_id)
@@ -62,6 +65,7 @@ class ModelRunner:
         self.token_allocator = token_allocator or TokenToKVPoolAllocator(self.max_total_num_tokens, self.device)
         self.kv_pool = self._make_kv_pool()
         self.attn_backend: AttentionBackend = TorchNativeAttnBackend()
+        self.gathered_buffer = self._make_gathered_buffer() if server_args.enable_dp_attention else None
         logger.info(
             "KV cache: %d tokens, %.1f KiB per token, %.2f GiB total; max running requests %d",
             self.max_total_num_tokens,
@@ -76,7 +80,7 @@ class ModelRunner:
         itemsize = self.dtype.itemsize
         if cfg.is_mla:
             return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize * self.num_kv_layers
-        kv_heads = cfg.get_num_kv_heads(self.tp_size)
+        kv_heads = cfg.get_num_kv_heads(self.attn_tp_size)
         return 2 * kv_heads * cfg.head_dim * itemsize * self.num_kv_layers
 
     def _profile_max_num_tokens(self, shared_allocator: Optional[TokenToKVPoolAllocator]) -> int:
@@ -112,8 +116,30 @@ class ModelRunner:
             return MLATokenToKVPool(
                 size, self.dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim, self.num_kv_layers, self.device
             )
-        kv_heads = cfg.get_num_kv_heads(self.tp_size)
+        kv_heads = cfg.get_num_kv_heads(self.attn_tp_size)
         return MHATokenToKVPool(size, self.dtype, kv_heads, cfg.head_dim, self.num_kv_layers, self.device)
+
+    def _make_gathered_buffer(self, tokens_per_request: int = 1) -> torch.Tensor:
+        """The one DP-attention gather buffer of this rank, sized for its largest sub-forward."""
+        args = self.server_args
+        rows = gathered_buffer_rows(
+            self.max_running_requests, tokens_per_request, self.prefill_token_budget(), args.dp_size
+        )
+        hidden = self.model_config.hidden_size
+        buffer = torch.empty((rows, hidden), dtype=self.dtype, device=self.device)
+        logger.info(
+            "DP attention gathered buffer: %d rows x %d hidden = %.1f MiB "
+            "(rows = max(max_running_requests %d x tokens/request %d, prefill budget %d) x dp_size %d)",
+            rows, hidden, buffer.numel() * buffer.element_size() / (1 << 20),
+            self.max_running_requests, tokens_per_request, self.prefill_token_budget(), args.dp_size,
+        )
+        return buffer
+
+    def prefill_token_budget(self) -> int:
+        """Most tokens one prefill batch of this rank can feed the model."""
+        args = self.server_args
+        chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else args.max_prefill_tokens
+        return min(chunk, args.max_prefill_tokens)
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -121,5 +147,6 @@ class ModelRunner:
         forward_batch.attn_backend = self.attn_backend
         forward_batch.req_to_token_pool = self.req_to_token_pool
         forward_batch.token_to_kv_pool = self.kv_pool
+        forward_batch.gathered_buffer = self.gathered_buffer
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
