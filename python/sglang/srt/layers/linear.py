@@ -2,7 +2,8 @@
 
 Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that takes
 the full (unsharded) checkpoint tensor and copies this rank's slice into place.
-Weights are stored [out_features, in_features] like nn.Linear.
+Weights are stored [out_features, in_features] like nn.Linear. Sharded layers take the
+group they shard over (default: the TP group; attention layers pass the attention-TP group).
 """
 
 from __future__ import annotations
@@ -13,12 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.srt.distributed.parallel_state import (
-    get_tp_rank,
-    get_tp_size,
-    tensor_model_parallel_all_gather,
-    tensor_model_parallel_all_reduce,
-)
+from sglang.srt.distributed.parallel_state import ParallelGroup, get_tp
 
 def _divide(n: int, d: int) -> int:
     if n % d:
@@ -61,8 +57,16 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; rank r holds rows [r*out/tp, (r+1)*out/tp)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False):
-        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        gather_output: bool = False,
+        group: Optional[ParallelGroup] = None,
+    ):
+        self.group = group or get_tp()
+        self.tp_size, self.tp_rank = self.group.size, self.group.rank
         self.output_size_per_partition = _divide(output_size, self.tp_size)
         self.gather_output = gather_output
         super().__init__(input_size, self.output_size_per_partition, bias)
@@ -73,7 +77,7 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
-        return tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y
+        return self.group.all_gather(y, dim=-1) if self.gather_output else y
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stacked in one weight (e.g. gate_up_proj).
@@ -82,9 +86,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     sub-matrix index.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, gather_output: bool = False):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        gather_output: bool = False,
+        group: Optional[ParallelGroup] = None,
+    ):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, gather_output)
+        super().__init__(input_size, sum(output_sizes), bias, gather_output, group)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Optional[int] = None) -> None:
         if shard_id is None:  # a checkpoint that already stores the merged weight
@@ -110,8 +121,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_heads: int,
         total_num_kv_heads: int,
         bias: bool = False,
+        group: Optional[ParallelGroup] = None,
     ):
-        tp_size = get_tp_size()
+        tp_size = (group or get_tp()).size
         self.head_size = head_size
         self.num_heads = _divide(total_num_heads, tp_size)
         if tp_size >= total_num_kv_heads:
@@ -123,7 +135,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
         total_out = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
-        super().__init__(hidden_size, total_out, bias)
+        super().__init__(hidden_size, total_out, bias, group=group)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Optional[str] = None) -> None:
         if shard_id is None:
@@ -141,8 +153,16 @@ class RowParallelLinear(LinearBase):
     The bias is added once, after the reduction.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True):
-        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        reduce_results: bool = True,
+        group: Optional[ParallelGroup] = None,
+    ):
+        self.group = group or get_tp()
+        self.tp_size, self.tp_rank = self.group.size, self.group.rank
         self.input_size_per_partition = _divide(input_size, self.tp_size)
         self.reduce_results = reduce_results
         super().__init__(self.input_size_per_partition, output_size, bias)
@@ -157,5 +177,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if self.reduce_results:
-            y = tensor_model_parallel_all_reduce(y)
+            y = self.group.all_reduce(y)
         return y + self.bias if self.bias is not None else y

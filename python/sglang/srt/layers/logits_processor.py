@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.srt.distributed.parallel_state import tensor_model_parallel_all_gather
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
@@ -40,7 +39,7 @@ class LogitsProcessor(nn.Module):
         else:
             rows = hidden_states[forward_batch.last_token_indices()]
         logits = F.linear(rows, lm_head.weight, getattr(lm_head, "bias", None))
-        logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, : self.vocab_size].float()
+        logits = lm_head.group.all_gather(logits, dim=-1)[:, : self.vocab_size].float()
 
         mode = forward_batch.capture_hidden_mode
         if mode == CaptureHiddenMode.FULL:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from sglang.srt.distributed.parallel_state import get_attn_tp
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -56,7 +57,7 @@ class DeepseekModelNextN(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         hidden = config.hidden_size
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, group=get_attn_tp())
         self.enorm = RMSNorm(hidden, eps=config.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, eps=config.rms_norm_eps)
         self.eh_proj = ReplicatedLinear(2 * hidden, hidden)
@@ -85,7 +86,7 @@ class DeepseekV3ForCausalLMNextN(nn.Module):
         super().__init__()
         self.config = config
         self.model = DeepseekModelNextN(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group=get_attn_tp())
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @torch.no_grad()

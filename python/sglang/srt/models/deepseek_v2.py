@@ -6,9 +6,11 @@ vectors (one KV "head" of kv_lora_rank + qk_rope_head_dim), and the latent outpu
 mapped back per head (o_latent @ W_UV^T) before o_proj. W_UK / W_UV are views of
 kv_b_proj's weight, so there is no derived state to rebuild after loading.
 
-Tensor parallelism: attention heads are split across ranks (q_b_proj / q_proj / kv_b_proj
-column-parallel, o_proj row-parallel); the routed experts and the shared experts are split
-along their intermediate dimension and their partial sums are all-reduced once per layer.
+Tensor parallelism: attention heads are split across the attention-TP group (q_b_proj /
+q_proj / kv_b_proj column-parallel, o_proj row-parallel), as are the embedding and LM head;
+the routed and shared experts (and dense MLPs) are split along their intermediate dimension
+across the TP group, and the MoE's partial sums are all-reduced once per layer. Under DP
+attention the MLP/MoE runs on every DP rank's rows at once (layers/dp_attention.py).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from sglang.srt.distributed.parallel_state import get_tp_size, tensor_model_parallel_all_reduce
+from sglang.srt.distributed.parallel_state import get_attn_tp, tensor_model_parallel_all_reduce
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.deepseek_rotary import yarn_get_mscale
+from sglang.srt.layers.dp_attention import mlp_over_dp
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
@@ -140,21 +143,24 @@ class DeepseekV2Attention(nn.Module):
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         total_heads = config.num_attention_heads
-        if total_heads % get_tp_size():
-            raise ValueError(f"num_attention_heads {total_heads} is not divisible by tp size {get_tp_size()}")
-        self.num_heads = total_heads // get_tp_size()
+        group = get_attn_tp()
+        if total_heads % group.size:
+            raise ValueError(f"num_attention_heads {total_heads} is not divisible by attention tp size {group.size}")
+        self.num_heads = total_heads // group.size
         hidden = config.hidden_size
         bias = bool(getattr(config, "attention_bias", False))
         if self.q_lora_rank:
             self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_heads * qk_head_dim)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_heads * qk_head_dim, group=group)
         else:
-            self.q_proj = ColumnParallelLinear(hidden, total_heads * qk_head_dim)
+            self.q_proj = ColumnParallelLinear(hidden, total_heads * qk_head_dim, group=group)
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
-        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, total_heads * (self.qk_nope_head_dim + self.v_head_dim))
-        self.o_proj = RowParallelLinear(total_heads * self.v_head_dim, hidden, bias=bias)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, total_heads * (self.qk_nope_head_dim + self.v_head_dim), group=group
+        )
+        self.o_proj = RowParallelLinear(total_heads * self.v_head_dim, hidden, bias=bias, group=group)
         base, scaling = get_rope_params(config)
         self.rotary_emb = get_rope(
             self.qk_rope_head_dim,
@@ -222,13 +228,13 @@ class DeepseekV2DecoderLayer(nn.Module):
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, forward_batch)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        return mlp_over_dp(self.mlp, hidden_states, forward_batch), residual
 
 
 class DeepseekV2Model(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group=get_attn_tp())
         self.layers = nn.ModuleList(
             DeepseekV2DecoderLayer(config, i, is_moe_layer(config, i)) for i in range(config.num_hidden_layers)
         )
@@ -298,7 +304,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DeepseekV2Model(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group=get_attn_tp())
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @torch.no_grad()

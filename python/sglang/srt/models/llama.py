@@ -1,6 +1,8 @@
 """Llama-family decoder (Llama 2/3/3.1, SmolLM2) on RadixAttention.
 
 Qwen2 differs only by biases on q/k/v; LlamaForCausalLM.qkv_bias selects it.
+Attention, the embedding and the LM head shard over the attention-TP group, the MLP over
+the TP group (the same group unless DP attention is on).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from sglang.srt.distributed.parallel_state import get_attn_tp
 from sglang.srt.layers.activation import SiluAndMul
+from sglang.srt.layers.dp_attention import mlp_over_dp
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -50,8 +54,11 @@ class LlamaAttention(nn.Module):
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         head_dim = getattr(config, "head_dim", None) or hidden // total_heads
         attention_bias = bool(getattr(config, "attention_bias", False))  # Llama: biases on q, k, v and o
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, total_heads, total_kv_heads, bias=qkv_bias or attention_bias)
-        self.o_proj = RowParallelLinear(total_heads * head_dim, hidden, bias=attention_bias)
+        group = get_attn_tp()
+        self.qkv_proj = QKVParallelLinear(
+            hidden, head_dim, total_heads, total_kv_heads, bias=qkv_bias or attention_bias, group=group
+        )
+        self.o_proj = RowParallelLinear(total_heads * head_dim, hidden, bias=attention_bias, group=group)
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         base, scaling = get_rope_params(config)
         self.rotary_emb = get_rope(head_dim, head_dim, config.max_position_embeddings, base, scaling)
@@ -88,13 +95,13 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, forward_batch)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        return mlp_over_dp(self.mlp, hidden_states, forward_batch), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool = False):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group=get_attn_tp())
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, qkv_bias) for i in range(config.num_hidden_layers)
         )
@@ -129,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group=get_attn_tp())
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @torch.no_grad()
@@ -142,6 +149,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> LogitsProcessorOutput:
         hidden_states = self.model(input_ids, positions, forward_batch, input_embeds)
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+
+    def get_embed_and_head(self) -> tuple[nn.Parameter, nn.Parameter]:
+        """The embedding and LM head parameters, for a draft model to share (no copy)."""
+        return self.model.embed_tokens.weight, self.lm_head.weight
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_weights_into(
