@@ -36,3 +36,11 @@ def tiny_llama3_tied_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> str:
     return make_tiny_qwen2(str(tmp_path_factory.mktemp("tiny_qwen2")))
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_dir(tmp_path_factory) -> str:
+    """Tiny DeepSeek-V3 (MLA, MoE, noaux_tc routing) with an MTP layer."""
+    from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
+
+    return make_tiny_deepseek_v3(str(tmp_path_factory.mktemp("tiny_deepseek_v3")))

@@ -67,7 +67,7 @@ class Scheduler:
         self.tokenizer = get_tokenizer(resolve_model_path(server_args.tokenizer_path), server_args.trust_remote_code)
         self.eos_ids = _eos_ids(self.model_config.hf_config, self.tokenizer)
         target = TpModelWorker(server_args, self.model_config, gpu_id, tp_rank)
-        runner = target.runner
+        self.runner = runner = target.runner
         self.context_len = self.model_config.context_len
         self.max_running_requests = runner.max_running_requests
         self.allocator = runner.token_allocator
@@ -97,6 +97,7 @@ class Scheduler:
         self.forward_started_at: Optional[float] = None
 
         self.globally_idle = True
+        self.iterations = 0
         # Only the entry rank of each DP rank talks to the other processes.
         self.recv_from_tokenizer = self.send_to_detokenizer = self.send_to_tokenizer = None
         if self.comm.is_entry_rank:
@@ -130,6 +131,7 @@ class Scheduler:
     # ------------------------------------------------------------------ loop
     def event_loop(self) -> None:
         while True:
+            self.iterations += 1
             has_work = bool(self.waiting or self.running or self.chunked_req)
             for msg in self.comm.broadcast_requests(self.recv_requests(block=not has_work and self.globally_idle)):
                 self.handle_message(msg)
@@ -423,6 +425,9 @@ class Scheduler:
             "last_gen_throughput": self.last_gen_throughput,
             "num_running_reqs": len(self.running),
             "num_waiting_reqs": len(self.waiting),
+            "iterations": self.iterations,
+            "plan_all_gathers": self.comm.num_plan_gathers,
+            "gathered_buffer_bytes": _nbytes(self.runner.gathered_buffer),
         }
 
     def start_watchdog(self) -> None:
@@ -438,6 +443,10 @@ class Scheduler:
                     os._exit(1)
 
         threading.Thread(target=watch, daemon=True, name="watchdog").start()
+
+
+def _nbytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
 
 
 def _eos_ids(hf_config, tokenizer) -> set[int]:
