@@ -12,7 +12,7 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=server_args.log_level.upper(), format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
     try:
         launch_server(server_args)
-    except (ValueError, RuntimeError) as e:  # launch checks and startup failures: no traceback
+    except (ValueError, RuntimeError, OSError) as e:  # launch checks, startup failures: no traceback
         sys.exit(f"error: {e}")
 
 

@@ -1,0 +1,398 @@
+"""HTTP server, TokenizerManager and detokenizer against a fake scheduler (no model).
+
+The fake speaks the real ZMQ protocol and runs the real incremental detokenizer, so these
+tests cover everything above the scheduler: validation, streaming, OpenAI shapes, auth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from sglang.srt.entrypoints.http_server import create_app
+from sglang.srt.managers.detokenizer_manager import IncrementalDetokenizer, trim_matched_stop
+from sglang.srt.managers.io_struct import SchedulerReady
+from sglang.srt.managers.tokenizer_manager import GenerateReqInput, TokenizerManager, hold_back_partial_stop
+from sglang.srt.server_args import PortArgs, ServerArgs
+from sglang.test.byte_tokenizer import make_byte_tokenizer
+from sglang.test.fake_scheduler import MAX_TOTAL_TOKENS, FakeScheduler
+
+CONTEXT_LEN = 64
+REPLY = "Hello, 世界!"
+MODEL = "fake-model"
+
+
+def _make_backend(**server_kwargs):
+    server_args = ServerArgs(model_path=MODEL, device="cpu", **server_kwargs)
+    port_args = PortArgs.init_new(server_args)
+    tokenizer = make_byte_tokenizer()
+    tm = TokenizerManager(server_args, port_args, tokenizer=tokenizer)
+    tm.set_scheduler_info(SchedulerReady(0, 0, MAX_TOTAL_TOKENS, CONTEXT_LEN - 1, CONTEXT_LEN))
+    fake = FakeScheduler(port_args, tokenizer, reply=REPLY)
+    return tm, fake
+
+
+@pytest.fixture(scope="module")
+def backend():
+    tm, fake = _make_backend()
+    app = create_app(tm, {"context_len": CONTEXT_LEN})
+    with TestClient(app) as client:
+        yield client, fake
+    fake.close()
+
+
+@pytest.fixture
+def client(backend):
+    client, fake = backend
+    fake.received.clear()
+    return client
+
+
+@pytest.fixture
+def fake(backend):
+    return backend[1]
+
+
+def _sse(response) -> list:
+    lines = [line for line in response.text.split("\n") if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+
+
+# ---------------------------------------------------------------------- /generate
+def test_generate_text(client):
+    r = client.post("/generate", json={"text": "hi", "sampling_params": {"temperature": 0}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["text"] == REPLY
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "stop"
+    assert meta["prompt_tokens"] == 2  # one token per byte, no BOS
+    assert meta["completion_tokens"] == len(REPLY.encode()) + 1  # + EOS
+    assert {"id", "cached_tokens", "e2e_latency"} <= set(meta)
+
+
+def test_generate_input_ids_and_limits(client):
+    r = client.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}})
+    assert r.json()["text"] == "Hel"
+    assert r.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    r = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 0}})
+    assert r.status_code == 200
+    assert r.json()["text"] == "" and r.json()["meta_info"]["completion_tokens"] == 0
+
+
+def test_generate_stop_string_trimmed(client):
+    r = client.post("/generate", json={"text": "hi", "sampling_params": {"stop": ["世"]}})
+    assert r.json()["text"] == "Hello, "
+    assert r.json()["meta_info"]["finish_reason"] == {"type": "stop", "matched": "世"}
+    r = client.post("/generate", json={"text": "hi", "sampling_params": {"stop": "世", "no_stop_trim": True}})
+    assert r.json()["text"] == "Hello, 世"
+
+
+def test_generate_batch(client):
+    r = client.post("/generate", json={"text": ["a", "bb"], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}]})
+    assert [o["text"] for o in r.json()] == ["H", "He"]
+    assert [o["meta_info"]["prompt_tokens"] for o in r.json()] == [1, 2]
+
+
+def test_generate_stream(client):
+    r = client.post("/generate", json={"text": "hi", "stream": True})
+    chunks = _sse(r)
+    texts = [c["text"] for c in chunks]
+    assert texts[-1] == REPLY
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "stop"
+    # Cumulative snapshots, never a partial UTF-8 character.
+    assert all(REPLY.startswith(t) and "\ufffd" not in t for t in texts)
+    assert len(chunks) > 1
+
+
+def test_stream_never_shows_a_stop_string_prefix(client):
+    chunks = _sse(client.post("/generate", json={"text": "hi", "stream": True, "sampling_params": {"stop": [", 世"]}}))
+    assert chunks[-1]["text"] == "Hello"
+    assert all("Hello".startswith(c["text"]) for c in chunks)
+
+
+def test_stream_output_flag_gives_deltas():
+    tm, fake = _make_backend(stream_output=True)
+    try:
+        with TestClient(create_app(tm, {})) as c:
+            chunks = _sse(c.post("/generate", json={"text": "hi", "stream": True}))
+        assert "".join(ch["text"] for ch in chunks) == REPLY
+        assert sum(len(ch["output_ids"]) for ch in chunks) == len(REPLY.encode()) + 1
+    finally:
+        fake.close()
+
+
+BAD_GENERATE = [
+    {},
+    {"text": ""},
+    {"input_ids": []},
+    {"text": "a", "input_ids": [1]},
+    {"text": 5},
+    {"text": None, "input_ids": None},
+    {"input_ids": [1, -1]},
+    {"input_ids": [10**9]},
+    {"input_ids": ["a"]},
+    {"text": "hi", "sampling_params": {"temperature": -1}},
+    {"text": "hi", "sampling_params": {"top_p": 0}},
+    {"text": "hi", "sampling_params": {"top_p": 1.5}},
+    {"text": "hi", "sampling_params": {"top_k": -2}},
+    {"text": "hi", "sampling_params": {"max_new_tokens": -1}},
+    {"text": "hi", "sampling_params": {"max_new_tokens": 10**9}},
+    {"text": "hi", "sampling_params": {"max_new_tokens": "ten"}},
+    {"text": "hi", "sampling_params": {"n": 2}},
+    {"text": "hi", "sampling_params": {"stop": [""]}},
+    {"text": "hi", "sampling_params": {"stop": [1]}},
+    {"text": "hi", "sampling_params": {"stop_token_ids": [10**9]}},
+    {"text": "hi", "sampling_params": {"no_such_param": 1}},
+    {"text": "hi", "sampling_params": "greedy"},
+    {"text": "x" * CONTEXT_LEN},
+    {"text": "hi", "stream": "yes"},
+    {"text": "hi", "return_logprob": True, "top_logprobs_num": -1},
+    {"text": ["a", "b"], "sampling_params": [{}]},
+    {"text": ["a", "b"], "stream": True},
+    {"text": []},
+    {"text": "hi", "unknown_field": 1},
+    {"text": "hi", "rid": ["a", "b"]},
+]
+
+
+@pytest.mark.parametrize("body", BAD_GENERATE)
+def test_generate_rejects_bad_requests(client, fake, body):
+    r = client.post("/generate", json=body)
+    assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["message"] and err["code"] == r.status_code and err["type"]
+    assert fake.received == []  # nothing reached the scheduler
+
+
+def test_malformed_bodies(client, fake):
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        r = client.post(path, content=b"{not json", headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "error" in r.json()
+        r = client.post(path, content=b"[1, 2]", headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "error" in r.json()
+    r = client.post("/generate", content=b"x" * 10, headers={"Content-Length": str(1 << 40)})
+    assert r.status_code == 413 and "error" in r.json()
+    assert fake.received == []
+    r = client.get("/no_such_route")
+    assert r.status_code == 404 and "error" in r.json()
+    # The server keeps serving.
+    assert client.post("/generate", json={"text": "hi"}).json()["text"] == REPLY
+
+
+# ---------------------------------------------------------------------- OpenAI
+def test_chat_completion_and_stream_agree(client, fake):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello"}], "temperature": 0}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "chat.completion"
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": REPLY}
+    assert out["choices"][0]["finish_reason"] == "stop"
+    usage = out["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    # The chat template was applied (no extra BOS: the template carries the special tokens).
+    prompt_ids = fake.received[-1].input_ids
+    assert make_byte_tokenizer().decode(prompt_ids) == "<|im_start|>user\nSay hello<|im_end|>\n<|im_start|>assistant\n"
+
+    chunks = _sse(client.post("/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}))
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    content_chunks = [c for c in chunks if c["choices"]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in content_chunks) == REPLY
+    assert content_chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all(c["choices"][0]["finish_reason"] is None for c in content_chunks[:-1])
+    assert chunks[-1]["usage"] == usage
+
+
+def test_chat_logprobs(client):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2, "max_tokens": 2}
+    out = client.post("/v1/chat/completions", json=body).json()
+    content = out["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["H", "e"]
+    assert content[0]["logprob"] == -0.5 and len(content[0]["top_logprobs"]) == 2
+    assert out["choices"][0]["finish_reason"] == "length"
+
+
+def test_completions(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 5, "logprobs": 1})
+    out = r.json()
+    choice = out["choices"][0]
+    assert choice["text"] == "Hello" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == list("Hello")
+    assert choice["logprobs"]["text_offset"] == [0, 1, 2, 3, 4]
+    assert out["usage"]["completion_tokens"] == 5
+    # Several prompts, token prompts, echo.
+    out = client.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"], "max_tokens": 1}).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    out = client.post("/v1/completions", json={"model": MODEL, "prompt": [104, 105], "max_tokens": 1, "echo": True}).json()
+    assert out["choices"][0]["text"] == "hiH"
+    chunks = _sse(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 32}))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == REPLY
+
+
+BAD_OPENAI = [
+    ("/v1/chat/completions", {"model": MODEL}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": -0.5}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": [5]}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
+    ("/v1/completions", {"model": MODEL}),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": -1}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 2}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**9}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "stream": True}),
+]
+
+
+@pytest.mark.parametrize("path,body", BAD_OPENAI)
+def test_openai_rejects_bad_requests(client, fake, path, body):
+    r = client.post(path, json=body)
+    assert r.status_code == 400, (body, r.status_code, r.text)
+    assert r.json()["error"]["message"]
+    assert fake.received == []
+
+
+def test_unknown_model_is_404(client):
+    for path, body in [
+        ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}),
+        ("/v1/completions", {"model": "gpt-4", "prompt": "x"}),
+    ]:
+        r = client.post(path, json=body)
+        assert r.status_code == 404 and "gpt-4" in r.json()["error"]["message"]
+
+
+def test_info_endpoints(client):
+    assert client.get("/health").status_code == 200
+    assert client.get("/health_generate").status_code == 200
+    assert client.get("/get_model_info").json() == {"model_path": MODEL, "tokenizer_path": MODEL, "is_generation": True}
+    info = client.get("/get_server_info").json()
+    assert info["model_path"] == MODEL and info["context_len"] == CONTEXT_LEN
+    (state,) = info["internal_states"]
+    assert state["available_kv_tokens"] == state["max_total_num_tokens"] == MAX_TOTAL_TOKENS
+    assert {"dp_rank", "avg_spec_accept_length", "last_gen_throughput"} <= set(state)
+    assert client.post("/flush_cache").status_code == 200
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == CONTEXT_LEN
+    assert client.get("/metrics").status_code == 404  # only with --enable-metrics
+
+
+def test_api_key_and_metrics():
+    tm, fake = _make_backend(api_key="sekret", enable_metrics=True)
+    try:
+        with TestClient(create_app(tm, {})) as c:
+            for path in ("/health", "/get_model_info", "/v1/models", "/metrics"):
+                r = c.get(path)
+                assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+                assert c.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+                assert c.get(path, headers={"Authorization": "Bearer sekret"}).status_code == 200
+            r = c.post("/generate", json={"text": "hi"}, headers={"Authorization": "Bearer sekret"})
+            assert r.json()["text"] == REPLY
+    finally:
+        fake.close()
+
+
+# ---------------------------------------------------------------------- aborts
+class _GoneClient:
+    async def is_disconnected(self) -> bool:
+        return True
+
+
+def test_abort_on_disconnect_and_on_closed_stream():
+    tm, fake = _make_backend()
+    fake.hold = True
+
+    async def scenario():
+        # Non-streaming: the client is gone; the request ends without output and is aborted.
+        gen = tm.generate_request(GenerateReqInput(text="hi"), _GoneClient())
+        assert [o async for o in gen] == []
+        # Streaming: the consumer stops reading (closes the generator).
+        gen = tm.generate_request(GenerateReqInput(text="hi", stream=True))
+        task = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await gen.aclose()
+
+    try:
+        asyncio.run(scenario())
+        deadline = time.monotonic() + 5
+        while len(fake.aborted) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(fake.received) == 2
+        assert fake.aborted == [r.rid for r in fake.received]
+        assert tm.rid_to_state == {}
+    finally:
+        fake.close()
+
+
+def test_dead_backend_fails_requests_with_503():
+    tm, fake = _make_backend()
+    fake.hold = True
+
+    async def scenario():
+        task = asyncio.ensure_future(tm.generate_request(GenerateReqInput(text="hi")).__anext__())
+        await asyncio.sleep(0.2)
+        tm.mark_dead("scheduler died")
+        with pytest.raises(ValueError, match="scheduler died"):
+            await task
+        with pytest.raises(ValueError, match="not healthy"):
+            await tm.generate_request(GenerateReqInput(text="hi")).__anext__()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        fake.close()
+
+
+# ---------------------------------------------------------------------- detokenizer
+def test_incremental_detokenizer_matches_full_decode():
+    tok = make_byte_tokenizer()
+    text = "añb 世界 🙂 end"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    seen = []
+    for n in range(1, len(ids) + 1):
+        seen.append(detok.step("r", ids[:n], None))
+    assert all("\ufffd" not in s for s in seen)
+    assert all(seen[i + 1].startswith(seen[i]) for i in range(len(seen) - 1))
+    assert seen[-1] == text
+    assert detok.step("r", ids + [tok.eos_token_id], {"type": "stop", "matched": tok.eos_token_id}) == text
+    assert "r" not in detok.states  # finished requests are forgotten
+
+
+def test_detokenizer_stop_handling():
+    tok = make_byte_tokenizer()
+    detok = IncrementalDetokenizer(tok)
+    ids = tok.encode("abcSTOPx", add_special_tokens=False)
+    assert detok.step("a", ids, {"type": "stop", "matched": "STOP"}) == "abc"
+    assert detok.step("b", ids, {"type": "stop", "matched": "STOP"}, no_stop_trim=True) == "abcSTOPx"
+    # A matched stop token id that is not special is dropped unless no_stop_trim.
+    assert detok.step("c", ids, {"type": "stop", "matched": ids[-1]}) == "abcSTOP"
+    assert detok.step("d", ids, {"type": "stop", "matched": ids[-1]}, no_stop_trim=True) == "abcSTOPx"
+    special = [ids[0], tok.convert_tokens_to_ids("<|im_end|>"), ids[1]]
+    assert detok.step("e", special, {"type": "length"}, skip_special_tokens=False) == "a<|im_end|>b"
+    assert detok.step("f", special, {"type": "length"}) == "ab"
+    assert trim_matched_stop("x\n\ny", {"type": "stop", "matched": "\n\n"}, False) == "x"
+    assert trim_matched_stop("x\n\ny", {"type": "length"}, False) == "x\n\ny"
+
+
+def test_hold_back_partial_stop():
+    assert hold_back_partial_stop("Hello, wo", ["world"]) == "Hello, "
+    assert hold_back_partial_stop("Hello", ["xyz"]) == "Hello"
+    assert hold_back_partial_stop("ab\n", ["\n\n", "b\nq"]) == "a"
+    assert hold_back_partial_stop("", ["a"]) == ""
