@@ -2,7 +2,9 @@
 
 Owns a request->token table, a slot allocator and a KV pool sized for a few short
 requests, and drives EXTEND (optionally chunked, prefix already cached) and DECODE
-batches over several requests of different lengths.
+batches over several requests of different lengths. Under DP attention it also owns the
+gathered buffer, and greedy_generate_lockstep keeps the DP ranks in step (IDLE forwards
+on a rank without work), agreeing on per-rank token counts with one CPU all-gather a step.
 """
 
 from __future__ import annotations
@@ -11,10 +13,18 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.distributed.parallel_state import get_tp_size
+from sglang.srt.distributed.parallel_state import (
+    get_attn_dp_size,
+    get_attn_tp_size,
+    get_cpu_group,
+    get_tp_size,
+    is_dp_attention_enabled,
+)
+from sglang.srt.layers.dp_attention import gathered_buffer_rows
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import (
     KVPool,
@@ -41,7 +51,7 @@ def make_kv_pool(model_config: ModelConfig, size: int, device: str) -> KVPool:
             model_config.num_hidden_layers, device,
         )
     return MHATokenToKVPool(
-        size, model_config.dtype, model_config.get_num_kv_heads(get_tp_size()), model_config.head_dim,
+        size, model_config.dtype, model_config.get_num_kv_heads(get_attn_tp_size()), model_config.head_dim,
         model_config.num_hidden_layers, device,
     )
 
@@ -62,6 +72,10 @@ class ModelHarness:
         self.allocator = TokenToKVPoolAllocator(size, device)
         self.kv_pool = kv_pool or make_kv_pool(model_config, size, device)
         self.attn_backend = TorchNativeAttnBackend()
+        self.gathered_buffer: Optional[torch.Tensor] = None
+        if is_dp_attention_enabled():
+            rows = gathered_buffer_rows(max_requests, 1, size, get_attn_dp_size())
+            self.gathered_buffer = torch.empty(rows, model_config.hidden_size, dtype=model_config.dtype, device=device)
 
     # ---- public API -------------------------------------------------------------------
 
@@ -103,9 +117,69 @@ class ModelHarness:
         finally:
             self.finish_requests(reqs)
 
+    def greedy_generate_lockstep(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: list[int],
+        chunk_size: Optional[int] = None,
+        start_step: int = 0,
+    ) -> list[torch.Tensor]:
+        """Greedy generation, one forward per step on every rank until no DP rank has work.
+
+        This rank's requests arrive at step start_step; request i stops after
+        max_new_tokens[i] tokens. A step extends every request with prompt left (chunked),
+        else decodes the unfinished ones, else is IDLE. Returns, per request, the logits
+        [max_new_tokens[i], vocab] its tokens were chosen from (argmax).
+        """
+        reqs: list[HarnessRequest] = []
+        picked: list[list[torch.Tensor]] = [[] for _ in prompts]
+        step = 0
+        try:
+            while True:
+                if step == start_step:
+                    reqs = self.start_requests(prompts)
+                extend = [i for i, r in enumerate(reqs) if r.cached < len(prompts[i])]
+                decode = [i for i, r in enumerate(reqs) if 0 < len(r.tokens) - len(prompts[i]) < max_new_tokens[i]]
+                active = extend or decode
+                lens = [self._chunk_len(reqs[i], chunk_size) for i in extend] if extend else [1] * len(decode)
+                global_num_tokens, any_busy = self._agree(sum(lens), step < start_step or bool(active))
+                if not any_busy:
+                    return [torch.stack(p) for p in picked]
+                step += 1
+                if not active:
+                    self.forward_idle(global_num_tokens)
+                    continue
+                batch = [reqs[i] for i in active]
+                if extend:
+                    out = self.forward_extend(batch, lens, global_num_tokens=global_num_tokens)
+                else:
+                    out = self.forward_decode(batch, global_num_tokens=global_num_tokens)
+                for i, logits in zip(active, out.next_token_logits):
+                    if reqs[i].cached >= len(prompts[i]):  # prompt done: this row picks a token
+                        picked[i].append(logits)
+                        reqs[i].tokens.append(int(logits.argmax()))
+        finally:
+            self.finish_requests(reqs)
+
+    def _agree(self, num_tokens: int, busy: bool) -> tuple[Optional[list[int]], bool]:
+        """(tokens of each DP rank, whether any rank is busy); one CPU all-gather under DP attention."""
+        if not is_dp_attention_enabled():
+            return None, busy
+        mine = torch.tensor([num_tokens, int(busy)], dtype=torch.int64)
+        parts = [torch.empty_like(mine) for _ in range(get_tp_size())]
+        dist.all_gather(parts, mine, group=get_cpu_group())
+        return [int(p[0]) for p in parts[:: get_attn_tp_size()]], any(int(p[1]) for p in parts)
+
     # ---- batches ----------------------------------------------------------------------
 
-    def forward_extend(self, reqs: list[HarnessRequest], lens: list[int], all_logits: bool = False, capture=CaptureHiddenMode.NULL):
+    def forward_extend(
+        self,
+        reqs: list[HarnessRequest],
+        lens: list[int],
+        all_logits: bool = False,
+        capture=CaptureHiddenMode.NULL,
+        global_num_tokens: Optional[list[int]] = None,
+    ):
         """Extend each request by its next lens[i] uncached tokens (its cached prefix stays)."""
         ids: list[int] = []
         positions: list[int] = []
@@ -115,14 +189,23 @@ class ModelHarness:
         fb = self._batch(ForwardMode.EXTEND, reqs, ids, positions, lens, capture)
         if all_logits:
             fb.logits_indices = torch.arange(len(ids), device=self.device)
-        return self._run(fb)
+        return self._run(fb, global_num_tokens)
 
-    def forward_decode(self, reqs: list[HarnessRequest], capture=CaptureHiddenMode.NULL):
+    def forward_decode(
+        self,
+        reqs: list[HarnessRequest],
+        capture=CaptureHiddenMode.NULL,
+        global_num_tokens: Optional[list[int]] = None,
+    ):
         """One new token per request: the last token of each, whose KV is not cached yet."""
         ids = [r.tokens[-1] for r in reqs]
         positions = [len(r.tokens) - 1 for r in reqs]
         fb = self._batch(ForwardMode.DECODE, reqs, ids, positions, [1] * len(reqs), capture)
-        return self._run(fb)
+        return self._run(fb, global_num_tokens)
+
+    def forward_idle(self, global_num_tokens: list[int]):
+        """A forward with no local rows, so this rank joins the other DP ranks' collectives."""
+        return self._run(self._batch(ForwardMode.IDLE, [], [], [], [], CaptureHiddenMode.NULL), global_num_tokens)
 
     def _batch(self, mode, reqs, ids, positions, lens, capture) -> ForwardBatch:
         out_loc = []
@@ -149,7 +232,10 @@ class ModelHarness:
             capture_hidden_mode=capture,
         )
 
-    def _run(self, fb: ForwardBatch):
+    def _run(self, fb: ForwardBatch, global_num_tokens: Optional[list[int]] = None):
+        if is_dp_attention_enabled() != (global_num_tokens is not None):
+            raise ValueError("global_num_tokens is required under DP attention and only then")
+        fb.global_num_tokens, fb.gathered_buffer = global_num_tokens, self.gathered_buffer
         fb.attn_backend = self.attn_backend
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.kv_pool

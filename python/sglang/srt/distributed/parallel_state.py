@@ -75,7 +75,7 @@ def initialize_model_parallel(tp_size: int, tp_rank: int, dp_size: int = 1, enab
         raise ValueError(f"world size {dist.get_world_size()} != tp_size {tp_size}")
     # Every rank creates every group in the same order (new_group is collective).
     tp_group = dist.new_group(list(range(tp_size))) if tp_size > 1 else None
-    attn_group = tp_group
+    attn_group = tp_group if attn_tp_size == tp_size else None  # None: one rank, no collectives
     if 1 < attn_tp_size < tp_size:
         for d in range(dp):
             g = dist.new_group(list(range(d * attn_tp_size, (d + 1) * attn_tp_size)))

@@ -1,0 +1,35 @@
+"""Run a function on N local processes joined by a gloo process group (CPU tests)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_gloo(fn: Callable[..., None], world: int, *args: Any) -> None:
+    """Call fn(rank, world, *args) on `world` spawned processes; raises if any of them fails.
+
+    fn must be importable (a module-level function) and args picklable.
+    """
+    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world)
