@@ -302,6 +302,7 @@ class TokenizerManager:
 
     def abort_request(self, rid: str) -> None:
         if self.rid_to_state.pop(rid, None) is not None:
+            logger.info("Aborted request %s", rid)
             self.send_to_scheduler.send_pyobj(AbortReq(rid))
 
     # ------------------------------------------------------------------ control

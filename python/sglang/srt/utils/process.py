@@ -54,7 +54,7 @@ def descendant_pids(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             state = f.read().rsplit(b")", 1)[1].split()[0]
@@ -76,9 +76,9 @@ def kill_process_tree(pid: int, include_parent: bool = True, timeout: float = 5.
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(_alive(v) for v in victims):
+        while time.monotonic() < deadline and any(pid_alive(v) for v in victims):
             time.sleep(0.05)
-        victims = [v for v in victims if _alive(v)]
+        victims = [v for v in victims if pid_alive(v)]
         if not victims:
             break
     if include_parent and pid == os.getpid():

@@ -1,0 +1,92 @@
+"""Launch a real server in a subprocess for tests, and end it without leaving processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+import requests
+
+from sglang.srt.utils.process import kill_process_tree, pid_alive
+
+_PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def find_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess(subprocess.Popen):
+    """A `python -m sglang.launch_server` child; its output goes to `log_path`."""
+
+    base_url: str
+    log_path: str
+    api_key: Optional[str]
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log_tail(self, n: int = 4000) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-n:]
+
+
+def popen_launch_server(
+    model_path: str,
+    extra_args: Sequence[str] = (),
+    timeout: float = 300.0,
+    api_key: Optional[str] = None,
+) -> ServerProcess:
+    """Start a server on a free port and wait until /health answers 200.
+    Raises RuntimeError (with the server's log tail) if it exits or times out first."""
+    port = find_free_port()
+    args = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--port", str(port), *extra_args]
+    if api_key:
+        args += ["--api-key", api_key]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PYTHON_DIR, env.get("PYTHONPATH")) if p)
+    log = tempfile.NamedTemporaryFile("w", prefix="sglang-server-", suffix=".log", delete=False)
+    proc = ServerProcess(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    log.close()
+    proc.base_url, proc.log_path, proc.api_key = f"http://127.0.0.1:{port}", log.name, api_key
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"Server exited with code {proc.returncode}:\n{proc.log_tail()}")
+        try:
+            if requests.get(f"{proc.base_url}/health", headers=proc.headers(), timeout=5).status_code == 200:
+                return proc
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    kill_server(proc)
+    raise RuntimeError(f"Server not healthy after {timeout} s:\n{proc.log_tail()}")
+
+
+def kill_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM the server and wait for it; force-kill its whole tree if it does not exit."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_process_tree(proc.pid, include_parent=True)
+            proc.wait()
+
+
+def wait_until_gone(pids: Sequence[int], timeout: float = 10.0) -> list[int]:
+    """The pids still alive after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if pid_alive(p)]
+        time.sleep(0.1)
+    return alive
