@@ -1,0 +1,91 @@
+"""Triton paged attention (CUDA): decode, extend with cached prefix, tree-masked verify.
+
+`init_forward_metadata` builds, once per forward and entirely on device, the index
+arrays every layer's kernels read. The sizes it needs (batch size, total KV tokens,
+longest query) come from the batch's host-side length lists, never from device reads,
+so a forward can later be captured by CUDA graphs with static buffers of the same shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sglang.srt.layers.attention.base import AttentionBackend, load_kv, save_kv
+from sglang.srt.layers.attention.triton_ops import build_kv_indices, decode_attention, extend_attention
+from sglang.srt.layers.attention.triton_ops.common import q_heads_view
+from sglang.srt.layers.attention.triton_ops.decode_attention import num_kv_splits
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+
+@dataclass
+class TritonAttnMetadata:
+    """Per-forward metadata shared by every layer (all tensors on the batch's device)."""
+
+    qo_indptr: torch.Tensor  # [bs + 1] int32: request i's query rows are qo_indptr[i]:qo_indptr[i+1]
+    kv_indptr: torch.Tensor  # [bs + 1] int32: same for its KV positions in kv_indices
+    kv_indices: torch.Tensor  # [sum(seq_lens)] int64: KV slot of each (request, position)
+    max_extend_len: int  # longest query of the batch (host value; sizes the extend grid)
+    use_decode_kernel: bool  # one query token per request and no custom mask
+    num_kv_splits: Optional[torch.Tensor]  # [bs] int32, decode only: programs sharing one request's KV
+    mask_indptr: Optional[torch.Tensor]  # [bs + 1] int64: request i's block in custom_mask
+
+
+def _indptr(lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.zeros(lengths.shape[0] + 1, dtype=dtype, device=lengths.device)
+    out[1:] = torch.cumsum(lengths, 0)
+    return out
+
+
+class TritonAttnBackend(AttentionBackend):
+    def __init__(self) -> None:
+        self.metadata: Optional[TritonAttnMetadata] = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        seq_lens, ext_lens = fb.seq_lens, fb.extend_seq_lens
+        kv_indptr = _indptr(seq_lens, torch.int32)
+        kv_indices = torch.empty(sum(fb.seq_lens_cpu), dtype=torch.int64, device=seq_lens.device)
+        build_kv_indices(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, kv_indptr, kv_indices)
+        use_decode = fb.custom_mask is None and all(e == 1 for e in fb.extend_seq_lens_cpu)
+        self.metadata = TritonAttnMetadata(
+            qo_indptr=_indptr(ext_lens, torch.int32),
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
+            max_extend_len=max(fb.extend_seq_lens_cpu, default=0),
+            use_decode_kernel=use_decode,
+            num_kv_splits=num_kv_splits(seq_lens) if use_decode else None,
+            mask_indptr=_indptr(ext_lens * seq_lens, torch.int64) if fb.custom_mask is not None else None,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        if k is not None and save_kv_cache:
+            save_kv(layer, forward_batch, k, v)
+        num_tokens = q.shape[0]
+        out = q.new_empty((num_tokens, layer.tp_q_head_num, layer.v_head_dim))
+        if num_tokens == 0:
+            return out.view(0, layer.tp_q_head_num * layer.v_head_dim)
+        meta = self.metadata
+        q3 = q_heads_view(q, layer.tp_q_head_num, layer.head_dim)
+        k_cache, v_cache = load_kv(layer, forward_batch)
+        if meta.use_decode_kernel:
+            decode_attention(
+                q3, k_cache, v_cache, out, meta.kv_indptr, meta.kv_indices, meta.num_kv_splits, layer.scaling
+            )
+        else:
+            extend_attention(
+                q3, k_cache, v_cache, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+                meta.max_extend_len, layer.scaling, forward_batch.custom_mask, meta.mask_indptr,
+            )
+        return out.view(num_tokens, -1)

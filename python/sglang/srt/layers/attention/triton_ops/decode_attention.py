@@ -1,0 +1,184 @@
+"""Paged decode attention, one query token per request, split-KV (flash-decoding).
+
+Stage 1: each program takes one request, one block of BLOCK_H query heads that share a
+KV head (GQA group, or all heads for MLA's single latent head) and one contiguous split
+of the request's KV; it writes that split's normalized output and its base-2
+log-sum-exp. Stage 2 merges the splits. The number of splits per request is a device
+tensor (more splits for longer contexts), so the grid is static for a given batch size.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang.srt.layers.attention.triton_ops.common import HeadDimTiling
+
+MAX_KV_SPLITS = 16  # grid size along the split axis (a power of two: stage 2 tiles it)
+MIN_TOKENS_PER_SPLIT = 64
+BLOCK_H = 16  # query heads per program; tl.dot needs >= 16 rows
+LOG2E = 1.4426950408889634
+
+
+def num_kv_splits(seq_lens: torch.Tensor) -> torch.Tensor:
+    """Splits per request: one per MIN_TOKENS_PER_SPLIT tokens, capped (device op, no sync)."""
+    return ((seq_lens + MIN_TOKENS_PER_SPLIT - 1) // MIN_TOKENS_PER_SPLIT).clamp(1, MAX_KV_SPLITS).to(torch.int32)
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q, K, V, kv_indptr, kv_indices, num_splits_ptr, Part_O, Part_LSE,
+    qk_scale,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
+    LK: tl.constexpr, LV: tl.constexpr, D_MAIN: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    head_block = tl.program_id(1) % HEAD_BLOCKS
+    split = tl.program_id(2)
+
+    num_splits = tl.load(num_splits_ptr + b)
+    kv_start = tl.load(kv_indptr + b)
+    kv_len = tl.load(kv_indptr + b + 1) - kv_start
+    split_len = (kv_len + num_splits - 1) // num_splits
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_len)  # empty (lo >= hi) for splits past num_splits
+
+    offs_g = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    valid_h = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=valid_h[:, None] & (offs_d[None, :] < D_MAIN),
+        other=0.0,
+    )
+    if BLOCK_DPE > 0:
+        offs_pe = D_MAIN + tl.arange(0, BLOCK_DPE)
+        q_pe = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + offs_pe[None, :],
+            mask=valid_h[:, None] & (offs_pe[None, :] < LK),
+            other=0.0,
+        )
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        valid_n = offs_n < hi
+        slots = tl.load(kv_indices + kv_start + offs_n, mask=valid_n, other=0).to(tl.int64)
+        k = tl.load(  # [BLOCK_D, BLOCK_N]
+            K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None],
+            mask=valid_n[None, :] & (offs_d[:, None] < D_MAIN),
+            other=0.0,
+        )
+        qk = tl.dot(q, k.to(q.dtype))
+        if BLOCK_DPE > 0:
+            k_pe = tl.load(
+                K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_pe[:, None],
+                mask=valid_n[None, :] & (offs_pe[:, None] < LK),
+                other=0.0,
+            )
+            qk += tl.dot(q_pe, k_pe.to(q_pe.dtype))
+        qk = tl.where(valid_n[None, :], qk * qk_scale, float("-inf"))
+        # Every block has a valid column, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        v = tl.load(
+            V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_dv[None, :],
+            mask=valid_n[:, None] & (offs_dv[None, :] < LV),
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    nonempty = l_i > 0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    tl.store(
+        Part_O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :],
+        out,
+        mask=valid_h[:, None] & (offs_dv[None, :] < LV),
+    )
+    tl.store(Part_LSE + b * stride_lb + heads * stride_lh + split, lse, mask=valid_h)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    Part_O, Part_LSE, O, num_splits_ptr,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
+    LV: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    num_splits = tl.load(num_splits_ptr + b)
+    offs_s = tl.arange(0, MAX_SPLITS)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    valid_s = offs_s < num_splits
+    lse = tl.load(Part_LSE + b * stride_lb + h * stride_lh + offs_s, mask=valid_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # empty KV: every weight is 0
+    w = tl.exp2(lse - m)
+    part = tl.load(
+        Part_O + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_dv[None, :],
+        mask=valid_s[:, None] & (offs_dv[None, :] < LV),
+        other=0.0,
+    )
+    denom = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(O + b * stride_fb + h * stride_fh + offs_dv, out.to(O.dtype.element_ty), mask=offs_dv < LV)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    num_splits: torch.Tensor,
+    scaling: float,
+) -> None:
+    """q: [bs, H, Lk]; k_cache: [slots, Hkv, Lk]; v_cache: [slots, Hkv, Lv]; out: [bs, H, Lv].
+
+    Request i attends to the slots kv_indices[kv_indptr[i]:kv_indptr[i+1]]; num_splits[i]
+    (int32, 1..MAX_KV_SPLITS) is how many programs share its KV.
+    """
+    bs, num_heads, lk = q.shape
+    num_kv_heads, lv = k_cache.shape[1], v_cache.shape[-1]
+    if bs == 0:
+        return
+    tiling = HeadDimTiling.of(lk, lv)
+    group = num_heads // num_kv_heads
+    head_blocks = triton.cdiv(group, BLOCK_H)
+    part_o = torch.empty((bs, num_heads, MAX_KV_SPLITS, lv), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((bs, num_heads, MAX_KV_SPLITS), dtype=torch.float32, device=q.device)
+    block_n = 64 if tiling.block_d <= 256 else 32
+    _decode_stage1_kernel[(bs, num_kv_heads * head_blocks, MAX_KV_SPLITS)](
+        q, k_cache, v_cache, kv_indptr, kv_indices, num_splits, part_o, part_lse,
+        scaling * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, HEAD_BLOCKS=head_blocks,
+        LK=lk, LV=lv, D_MAIN=tiling.d_main,
+        BLOCK_D=tiling.block_d, BLOCK_DPE=tiling.block_dpe, BLOCK_DV=tiling.block_dv,
+        BLOCK_H=BLOCK_H, BLOCK_N=block_n,
+        num_warps=4, num_stages=2,
+    )
+    _decode_stage2_kernel[(bs, num_heads)](
+        part_o, part_lse, out, num_splits,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        LV=lv, BLOCK_DV=tiling.block_dv, MAX_SPLITS=MAX_KV_SPLITS,
+        num_warps=4,
+    )

@@ -1,0 +1,165 @@
+"""Paged prefill/extend attention: new query tokens over cached prefix + themselves.
+
+One program per (request, query head, block of BLOCK_M new tokens). New tokens' K/V are
+already in the pool (the backend saves them first), so every key is read through the
+flattened slot index. Visibility is causal (query row r of a request with prefix p sees
+columns 0..p+r), or, with a custom mask, mask[row, col] of that request's
+extend_len x seq_len row-major block (tree verify).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang.srt.layers.attention.triton_ops.common import HeadDimTiling
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, O, qo_indptr, kv_indptr, kv_indices, Mask, mask_indptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
+    GROUP: tl.constexpr,
+    LK: tl.constexpr, LV: tl.constexpr, D_MAIN: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_MASK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    m_block = tl.program_id(2)
+    kv_head = head // GROUP
+
+    q_start = tl.load(qo_indptr + b)
+    q_len = tl.load(qo_indptr + b + 1) - q_start
+    kv_start = tl.load(kv_indptr + b)
+    kv_len = tl.load(kv_indptr + b + 1) - kv_start
+    prefix = kv_len - q_len
+
+    if m_block * BLOCK_M < q_len:
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        valid_m = offs_m < q_len
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(
+            Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+            mask=valid_m[:, None] & (offs_d[None, :] < D_MAIN),
+            other=0.0,
+        )
+        if BLOCK_DPE > 0:
+            offs_pe = D_MAIN + tl.arange(0, BLOCK_DPE)
+            q_pe = tl.load(
+                Q + rows[:, None] * stride_qt + head * stride_qh + offs_pe[None, :],
+                mask=valid_m[:, None] & (offs_pe[None, :] < LK),
+                other=0.0,
+            )
+        if USE_MASK:
+            kv_end = kv_len
+            mask_row = tl.load(mask_indptr + b) + offs_m.to(tl.int64) * kv_len
+        else:  # causal: columns past this block's last row are never visible
+            kv_end = tl.minimum(kv_len, prefix + (m_block + 1) * BLOCK_M)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        for start in range(0, kv_end, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            valid_n = offs_n < kv_end
+            slots = tl.load(kv_indices + kv_start + offs_n, mask=valid_n, other=0).to(tl.int64)
+            k = tl.load(  # [BLOCK_D, BLOCK_N]
+                K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None],
+                mask=valid_n[None, :] & (offs_d[:, None] < D_MAIN),
+                other=0.0,
+            )
+            qk = tl.dot(q, k.to(q.dtype))
+            if BLOCK_DPE > 0:
+                k_pe = tl.load(
+                    K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_pe[:, None],
+                    mask=valid_n[None, :] & (offs_pe[:, None] < LK),
+                    other=0.0,
+                )
+                qk += tl.dot(q_pe, k_pe.to(q_pe.dtype))
+            visible = valid_m[:, None] & valid_n[None, :]
+            if USE_MASK:
+                custom = tl.load(Mask + mask_row[:, None] + offs_n[None, :], mask=visible, other=0)
+                visible = visible & (custom != 0)
+            else:
+                visible = visible & (offs_n[None, :] <= prefix + offs_m[:, None])
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            # A row may have no visible column yet (padding rows, tree masks): keep it at 0.
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(qk - m_safe[:, None])
+            v = tl.load(
+                V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_dv[None, :],
+                mask=valid_n[:, None] & (offs_dv[None, :] < LV),
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            O + rows[:, None] * stride_ot + head * stride_oh + offs_dv[None, :],
+            out.to(O.dtype.element_ty),
+            mask=valid_m[:, None] & (offs_dv[None, :] < LV),
+        )
+
+
+def _tile_sizes(tiling: HeadDimTiling) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) keeping the K/V tiles within shared memory."""
+    width = tiling.block_d + tiling.block_dpe
+    if width <= 128:
+        return 64, 64, 4
+    if width <= 256:
+        return 64, 32, 4
+    return 32, 16, 4
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    max_extend_len: int,
+    scaling: float,
+    custom_mask: torch.Tensor | None = None,
+    mask_indptr: torch.Tensor | None = None,
+) -> None:
+    """q: [T, H, Lk] (requests' new tokens concatenated); out: [T, H, Lv].
+
+    Request i owns query rows qo_indptr[i]:qo_indptr[i+1] and KV slots
+    kv_indices[kv_indptr[i]:kv_indptr[i+1]] (prefix then its new tokens). max_extend_len
+    bounds the query blocks (a host value). custom_mask (bool, flattened) starts request
+    i's block at mask_indptr[i].
+    """
+    num_tokens, num_heads, lk = q.shape
+    num_kv_heads, lv = k_cache.shape[1], v_cache.shape[-1]
+    bs = qo_indptr.shape[0] - 1
+    if num_tokens == 0 or bs == 0 or max_extend_len == 0:
+        return
+    tiling = HeadDimTiling.of(lk, lv)
+    block_m, block_n, num_warps = _tile_sizes(tiling)
+    use_mask = custom_mask is not None
+    mask = custom_mask.view(torch.uint8) if use_mask else q  # placeholder pointer, never read
+    _extend_kernel[(bs, num_heads, triton.cdiv(max_extend_len, block_m))](
+        q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, mask,
+        mask_indptr if use_mask else kv_indptr,
+        scaling * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads,
+        LK=lk, LV=lv, D_MAIN=tiling.d_main,
+        BLOCK_D=tiling.block_d, BLOCK_DPE=tiling.block_dpe, BLOCK_DV=tiling.block_dv,
+        BLOCK_M=block_m, BLOCK_N=block_n, USE_MASK=use_mask,
+        num_warps=num_warps, num_stages=1,
+    )
