@@ -11,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from sglang.srt.layers.rotary_embedding import as_heads
+
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
     """YaRN magnitude correction; the softmax scale of MLA is multiplied by its square."""
@@ -106,6 +108,6 @@ class DeepseekScalingRotaryEmbedding(nn.Module):
         """query/key: [T, heads * head_size] or [T, heads, head_size]; returns the same shapes."""
         cos, sin = self._cos_sin(positions.flatten())
         cos, sin = cos[:, None, :], sin[:, None, :]
-        q = self._rotate(query.reshape(query.shape[0], -1, self.head_size), cos, sin)
-        k = self._rotate(key.reshape(key.shape[0], -1, self.head_size), cos, sin)
+        q = self._rotate(as_heads(query, self.head_size), cos, sin)
+        k = self._rotate(as_heads(key, self.head_size), cos, sin)
         return q.view(query.shape), k.view(key.shape)

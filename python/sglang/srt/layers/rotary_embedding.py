@@ -51,7 +51,7 @@ class RotaryEmbedding(nn.Module):
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x = x.reshape(shape[0], -1, self.head_size)
+        x = as_heads(x, self.head_size)
         cos = cos[:, None, :].to(x.dtype)
         sin = sin[:, None, :].to(x.dtype)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
@@ -120,6 +120,12 @@ def get_rope_params(config: Any) -> tuple[float, Optional[dict]]:
 
 
 _ROPE_CACHE: dict[tuple, nn.Module] = {}
+
+
+def as_heads(x: torch.Tensor, head_size: int) -> torch.Tensor:
+    """[T, H*D] or [T, H, D] -> [T, H, D] (explicit sizes so that T may be 0)."""
+    heads = x.shape[1] if x.dim() == 3 else x.shape[-1] // head_size
+    return x.reshape(x.shape[0], heads, head_size)
 
 
 def get_rope(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from typing import Optional
@@ -438,8 +437,8 @@ class Scheduler:
                 time.sleep(min(timeout / 4, 5.0))
                 started = self.forward_started_at
                 if started is not None and time.monotonic() - started > timeout:
-                    logger.error("Scheduler watchdog: a forward has run for more than %.0f s; exiting.", timeout)
-                    os.kill(os.getppid(), signal.SIGTERM)
+                    # The launcher watches its children and takes the server down.
+                    logger.error("Scheduler watchdog: stuck for more than %.0f s in one step; exiting.", timeout)
                     os._exit(1)
 
         threading.Thread(target=watch, daemon=True, name="watchdog").start()
@@ -474,7 +473,11 @@ def run_scheduler_process(
     dp_rank: Optional[int],
     pipe_writer,
 ) -> None:
-    prefix = (f" DP{dp_rank}" if dp_rank is not None else "") + f" TP{tp_rank}"
+    if server_args.enable_dp_attention:
+        dp_rank_label: Optional[int] = tp_rank // server_args.attn_tp_size
+    else:
+        dp_rank_label = dp_rank
+    prefix = (f" DP{dp_rank_label}" if dp_rank_label is not None else "") + f" TP{tp_rank}"
     configure_logger(server_args, prefix)
     from sglang.srt.utils.process import watch_parent
 
@@ -500,5 +503,4 @@ def run_scheduler_process(
         scheduler.event_loop()
     except Exception:
         logger.exception("Scheduler crashed")
-        os.kill(os.getppid(), signal.SIGTERM)
-        raise
+        os._exit(1)

@@ -33,7 +33,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         num_tokens = q.shape[0]
         out = q.new_empty((num_tokens, layer.tp_q_head_num, layer.v_head_dim))
         if num_tokens == 0:
-            return out.view(0, -1)
+            return out.view(0, layer.tp_q_head_num * layer.v_head_dim)
         q = q.view(num_tokens, layer.tp_q_head_num, layer.head_dim)
         k_cache, v_cache = load_kv(layer, forward_batch)
         req_to_token = forward_batch.req_to_token_pool.req_to_token
