@@ -1,0 +1,1 @@
+"""Speculative decoding: EAGLE / NextN draft worker, draft tree and verification."""

@@ -1,0 +1,388 @@
+"""EAGLE / NextN speculative decoding worker (DESIGN.md §7).
+
+Plugs in where the scheduler would use a TpModelWorker. Per decode cycle, for every request
+with seq_len L (target and draft KV at positions 0..L-2, last token x_{L-1} not written):
+  1. draft: the topk guesses kept from the previous draft extend are depth 1; steps - 1 draft
+     forwards (topk tokens per request each, tree mask) add depths 2..steps;
+  2. verify: the target runs the root x_{L-1} plus the num_draft_tokens - 1 best candidates
+     (tree mask), positions L-1 + depth;
+  3. accept: walk the tree (greedy or lossless sampling), emit accepted tokens + one bonus;
+     move the accepted nodes' KV slots to positions L-1.. and free the rest;
+  4. draft extend on the emitted tokens with the target hidden states of the nodes before them.
+The draft model shares the target's request->token table and slot allocator, with its own
+KV pool: draft position j holds the draft's KV for token j+1 at the target's slot of position j.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.sampler import Sampler, SamplingBatchInfo
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.tp_worker import GenerationResult, TpModelWorker
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.eagle_utils import VerifyTree, build_verify_tree, select_step_inputs, walk_tree
+from sglang.srt.speculative.spec_info import DraftState, SpecInput
+
+logger = logging.getLogger(__name__)
+
+NEXTN_ARCHITECTURE = "DeepseekV3ForCausalLMNextN"
+
+
+def draft_model_config(server_args: ServerArgs) -> ModelConfig:
+    """NEXTN reads the MTP layer from a target or extracted checkpoint; EAGLE reads the head's config."""
+    architectures = [NEXTN_ARCHITECTURE] if server_args.speculative_algorithm == "NEXTN" else None
+    return ModelConfig(
+        server_args.speculative_draft_model_path,
+        context_length=server_args.context_length,
+        dtype=server_args.dtype,
+        device=server_args.device,
+        trust_remote_code=server_args.trust_remote_code,
+        architectures=architectures,
+    )
+
+
+def _widen_rows(pool: ReqToTokenPool, width: int) -> None:
+    """Draft trees are laid out past a request's KV; make every row at least `width` long.
+    Runs before any request holds a row, so there is nothing to copy."""
+    if pool.req_to_token.shape[1] < width:
+        pool.req_to_token = torch.zeros(
+            (pool.size, width), dtype=pool.req_to_token.dtype, device=pool.req_to_token.device
+        )
+        pool.max_context_len = width
+
+
+class EAGLEWorker:
+    def __init__(self, server_args: ServerArgs, target_worker: TpModelWorker, gpu_id: int, tp_rank: int):
+        self.target = target_worker
+        self.kv = target_worker.kv
+        self.device = target_worker.device
+        self.steps = server_args.speculative_num_steps
+        self.topk = server_args.speculative_eagle_topk
+        self.num_draft = server_args.speculative_num_draft_tokens
+        target_runner = target_worker.runner
+        self.req_to_token_pool = target_runner.req_to_token_pool
+        self.draft_runner = ModelRunner(
+            draft_model_config(server_args),
+            server_args,
+            gpu_id,
+            tp_rank,
+            server_args.tp_size,
+            req_to_token_pool=self.req_to_token_pool,
+            token_allocator=target_runner.token_allocator,
+        )
+        self.draft_runner.model.set_embed_and_head(*target_runner.model.get_embed_and_head())
+        context_len = target_runner.model_config.context_len
+        # Positions past the context are never emitted (the request stops first); clamp them.
+        self.max_position = context_len - 1
+        _widen_rows(self.req_to_token_pool, context_len + self.decode_kv_need_per_req())
+        self.states: dict[str, DraftState] = {}
+        logger.info(
+            "Speculative decoding: %s, steps %d, topk %d, draft tokens %d",
+            server_args.speculative_algorithm, self.steps, self.topk, self.num_draft,
+        )
+
+    # ------------------------------------------------------------------ worker interface
+    def decode_kv_need_per_req(self) -> int:
+        # Draft-step scratch slots are freed before the verify slots are taken.
+        return max((self.steps - 1) * self.topk, self.num_draft)
+
+    def add_request(self, req: Req) -> None:
+        self.target.add_request(req)
+
+    def remove_request(self, req: Req) -> None:
+        self.target.remove_request(req)
+        self.states.pop(req.rid, None)
+
+    def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationResult:
+        if batch.mode == ForwardMode.EXTEND:
+            return self.forward_extend(batch)
+        return self.forward_decode(batch)
+
+    # ------------------------------------------------------------------ prefill
+    def forward_extend(self, batch: ScheduleBatch) -> GenerationResult:
+        fb = batch.to_forward_batch(self.device)
+        fb.capture_hidden_mode = CaptureHiddenMode.FULL
+        out = self.target.runner.forward(fb)
+        ready = [i for i, r in enumerate(batch.reqs) if r.kv_len + batch.extend_lens[i] == r.seq_len]
+        result = GenerationResult([[] for _ in batch.reqs], list(batch.extend_lens))
+        if ready:
+            self.target.sample_rows(batch.reqs, ready, out, result)
+        # Draft sees every chunk: ids shifted left by one, then the next token (prompt or sampled).
+        ids: list[int] = []
+        for i, req in enumerate(batch.reqs):
+            start, end = batch.prefix_lens[i], batch.seq_lens[i]
+            nxt = req.all_ids[end] if end < req.seq_len else result.next_token_ids[i][0]
+            ids += req.all_ids[start + 1 : end] + [nxt]
+        draft_fb = replace(
+            fb,
+            mode=ForwardMode.DRAFT_EXTEND,
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
+            capture_hidden_mode=CaptureHiddenMode.LAST,
+            spec_info=SpecInput(out.hidden_states),
+        )
+        self._store_states([batch.reqs[i] for i in ready], self.draft_runner.forward(draft_fb), ready)
+        return result
+
+    def _store_states(self, reqs: list[Req], out: LogitsProcessorOutput, rows: list[int]) -> None:
+        """Keep the draft's top-k guesses and hidden state at each request's last position."""
+        if not reqs:
+            return
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        probs = torch.softmax(out.next_token_logits[rows_t], dim=-1)
+        topk_p, topk_index = torch.topk(probs, self.topk, dim=-1)
+        hidden = out.hidden_states[rows_t]
+        for j, req in enumerate(reqs):
+            self.states[req.rid] = DraftState(topk_p[j], topk_index[j], hidden[j])
+
+    # ------------------------------------------------------------------ decode cycle
+    def forward_decode(self, batch: ScheduleBatch) -> GenerationResult:
+        reqs = batch.reqs
+        states = [self.states[r.rid] for r in reqs]
+        cand_scores, cand_tokens, cand_parents = self.draft(reqs, states)
+        root = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
+        tree = build_verify_tree(root, cand_scores, cand_tokens, cand_parents, self.num_draft)
+        slots, out = self.verify(reqs, tree)
+        paths, bonus, result = self.accept(reqs, tree, out)
+        kept = self.keep_accepted(reqs, slots, paths)
+        self.draft_extend(reqs, tree, paths, bonus, kept, out.hidden_states)
+        return result
+
+    def _rows(self, reqs: list[Req]) -> torch.Tensor:
+        return torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=self.device)
+
+    def _positions(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device).clamp_(max=self.max_position)
+
+    def _tree_batch(
+        self,
+        mode: ForwardMode,
+        reqs: list[Req],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        tree_masks: list[torch.Tensor],
+        hidden: Optional[torch.Tensor],
+    ) -> ForwardBatch:
+        """Each request's new tokens sit right after its KV (kv_len = L-1) and see the whole
+        prefix plus the columns its tree mask [new, new_total] allows."""
+        ext = [m.shape[0] for m in tree_masks]
+        seq = [r.kv_len + m.shape[1] for r, m in zip(reqs, tree_masks)]
+        mask = torch.cat(
+            [torch.cat([torch.ones((m.shape[0], r.kv_len), dtype=torch.bool), m], dim=1).flatten() for r, m in zip(reqs, tree_masks)]
+        )
+        return ForwardBatch(
+            mode=mode,
+            batch_size=len(reqs),
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=self._rows(reqs),
+            seq_lens=torch.tensor(seq, dtype=torch.int64, device=self.device),
+            extend_seq_lens=torch.tensor(ext, dtype=torch.int64, device=self.device),
+            seq_lens_cpu=seq,
+            extend_seq_lens_cpu=ext,
+            custom_mask=mask.to(self.device),
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            spec_info=SpecInput(hidden) if hidden is not None else None,
+        )
+
+    def draft(self, reqs: list[Req], states: list[DraftState]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draft candidates [bs, M] (scores, tokens, parent candidate), M = topk + (steps-1) topk^2."""
+        bs, k = len(reqs), self.topk
+        scores = torch.stack([s.topk_p for s in states])
+        tokens = torch.stack([s.topk_index for s in states])
+        hidden = torch.stack([s.hidden for s in states]).repeat_interleave(k, dim=0)
+        cand_scores, cand_tokens = [scores], [tokens]
+        cand_parents = [torch.full((bs, k), -1, dtype=torch.int64, device=self.device)]
+        if self.steps == 1:
+            return scores, tokens, cand_parents[0]
+        # Scratch slots: step t's inputs of request b at row positions kv_len + t*k + j.
+        width = (self.steps - 1) * k
+        scratch = self.kv.alloc(bs * width).view(bs, width)
+        for b, req in enumerate(reqs):
+            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, scratch[b])
+        input_cand = torch.arange(k, device=self.device).expand(bs, k)  # candidate number of each input
+        ancestors = torch.eye(k, dtype=torch.bool).expand(bs, k, k)  # [bs, k, (t+1)k] on the host
+        arange_bs = torch.arange(bs, device=self.device).view(-1, 1)
+        for t in range(self.steps - 1):
+            fb = self._tree_batch(
+                ForwardMode.DRAFT_DECODE,
+                reqs,
+                tokens.flatten(),
+                self._positions([r.kv_len + t for r in reqs for _ in range(k)]),
+                scratch[:, t * k : (t + 1) * k].flatten(),
+                list(ancestors),
+                hidden,
+            )
+            out = self.draft_runner.forward(fb)
+            child_p, child_tok = torch.topk(torch.softmax(out.next_token_logits, dim=-1), k, dim=-1)
+            child_scores = (scores.view(bs, k, 1) * child_p.view(bs, k, k)).flatten(1)
+            child_tok = child_tok.view(bs, k * k)
+            cand_scores.append(child_scores)
+            cand_tokens.append(child_tok)
+            cand_parents.append(input_cand.repeat_interleave(k, dim=1))
+            if t == self.steps - 2:
+                break
+            scores, tokens, flat = select_step_inputs(child_scores, child_tok, k)
+            parent_input = flat // k
+            input_cand = k + t * k * k + flat
+            hidden = out.hidden_states.view(bs, k, -1)[arange_bs, parent_input].flatten(0, 1)
+            parent_cpu = parent_input.cpu()
+            ancestors = torch.cat(
+                [ancestors[torch.arange(bs).view(-1, 1), parent_cpu], torch.eye(k, dtype=torch.bool).expand(bs, k, k)],
+                dim=2,
+            )
+        self.kv.allocator.free(scratch.flatten())
+        return torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1)
+
+    def verify(self, reqs: list[Req], tree: VerifyTree) -> tuple[torch.Tensor, LogitsProcessorOutput]:
+        """Target forward over every request's tree; returns its slots [bs, n] and output."""
+        n = self.num_draft
+        slots = self.kv.alloc(len(reqs) * n).view(len(reqs), n)
+        for b, req in enumerate(reqs):
+            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots[b])
+        fb = self._tree_batch(
+            ForwardMode.TARGET_VERIFY,
+            reqs,
+            torch.tensor(tree.tokens, dtype=torch.int64, device=self.device).flatten(),
+            self._positions([r.kv_len + d for r, depths in zip(reqs, tree.depths) for d in depths]),
+            slots.flatten(),
+            [tree.ancestor_mask(b) for b in range(len(reqs))],
+            None,
+        )
+        return slots, self.target.runner.forward(fb)
+
+    def accept(
+        self, reqs: list[Req], tree: VerifyTree, out: LogitsProcessorOutput
+    ) -> tuple[list[list[int]], list[int], GenerationResult]:
+        """Walk each tree; returns accepted nodes per request, bonus tokens and the result."""
+        bs, n = len(reqs), self.num_draft
+        logits = out.next_token_logits
+        vocab = logits.shape[-1]
+        # Penalties see the tokens generated before this cycle.
+        info = SamplingBatchInfo.from_requests(
+            [r.sampling_params for r in reqs for _ in range(n)],
+            [(r.origin_input_ids, r.output_ids) for r in reqs for _ in range(n)],
+            [None] * (bs * n),
+            vocab,
+            self.device,
+        )
+        logits = info.apply_penalties(logits)
+        node_tok = torch.tensor(tree.tokens, dtype=torch.int64, device=self.device)  # [bs, n]
+        parent_rows = torch.tensor(tree.parents, dtype=torch.int64, device=self.device).clamp_(min=0)
+        parent_rows = parent_rows + torch.arange(bs, device=self.device).view(-1, 1) * n
+        if info.all_greedy:
+            target_tok = logits.argmax(dim=-1)
+            child_prob = (target_tok[parent_rows] == node_tok).float().tolist()
+            uniforms = [[0.0] * n] * bs
+            paths = [walk_tree(tree.parents[b], child_prob[b], uniforms[b])[0] for b in range(bs)]
+            finals = [b * n + (p[-1] if p else 0) for b, p in enumerate(paths)]
+            bonus = target_tok[finals].tolist()
+        else:
+            probs = Sampler.filtered_probs(logits, info)
+            child_prob = probs[parent_rows, node_tok].tolist()
+            uniforms = self._uniforms(reqs, n).tolist()
+            walks = [walk_tree(tree.parents[b], child_prob[b], uniforms[b]) for b in range(bs)]
+            paths = [w[0] for w in walks]
+            finals = [b * n + (p[-1] if p else 0) for b, p in enumerate(paths)]
+            residual = probs[finals].clone()
+            for b, (_, rejected) in enumerate(walks):
+                residual[b, [tree.tokens[b][c] for c in rejected]] = 0.0
+            residual /= residual.sum(dim=-1, keepdim=True)
+            generators = [self.target.generators.get(r.rid) for r in reqs]
+            bonus = Sampler._draw(residual, generators if any(generators) else None).tolist()
+        emitted = [[tree.tokens[b][c] for c in paths[b]] + [bonus[b]] for b in range(bs)]
+        result = GenerationResult(
+            next_token_ids=emitted,
+            kv_written=[len(p) + 1 for p in paths],
+            accepted_draft_tokens=[len(p) for p in paths],
+        )
+        if any(r.return_logprob for r in reqs):
+            self._logprobs(reqs, logits, paths, emitted, result)
+        return paths, bonus, result
+
+    def _uniforms(self, reqs: list[Req], n: int) -> torch.Tensor:
+        u = torch.rand((len(reqs), n), device=self.device)
+        for b, req in enumerate(reqs):
+            gen = self.target.generators.get(req.rid)
+            if gen is not None:
+                u[b] = torch.rand(n, generator=gen, device=self.device)
+        return u
+
+    def _logprobs(
+        self, reqs: list[Req], logits: torch.Tensor, paths: list[list[int]], emitted: list[list[int]], result: GenerationResult
+    ) -> None:
+        """Logprob of each emitted token under the target logits (after penalties) of the node before it."""
+        n = self.num_draft
+        rows = [b * n + node for b, p in enumerate(paths) for node in [0] + p]
+        toks = [t for e in emitted for t in e]
+        logprobs = torch.log_softmax(logits[rows], dim=-1)
+        chosen = logprobs[torch.arange(len(rows), device=self.device), torch.tensor(toks, device=self.device)].tolist()
+        top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
+        tops = [t.tolist() for t in torch.topk(logprobs, top_n, dim=-1)] if top_n else None
+        result.logprobs, result.top_logprobs = [], []
+        i = 0
+        for req, e in zip(reqs, emitted):
+            result.logprobs.append([(chosen[i + j], tok) for j, tok in enumerate(e)])
+            k = req.top_logprobs_num
+            result.top_logprobs.append(
+                [list(zip(tops[0][i + j][:k], tops[1][i + j][:k])) for j in range(len(e))] if tops and k else []
+            )
+            i += len(e)
+
+    def keep_accepted(self, reqs: list[Req], slots: torch.Tensor, paths: list[list[int]]) -> list[torch.Tensor]:
+        """Move the root's and accepted nodes' slots to positions kv_len.. ; free the others."""
+        keep = torch.zeros(slots.shape, dtype=torch.bool)
+        kept = []
+        for b, (req, path) in enumerate(zip(reqs, paths)):
+            nodes = [0] + path
+            keep[b, nodes] = True
+            kept.append(slots[b, nodes])
+            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, kept[-1])
+        self.kv.allocator.free(slots[keep.to(slots.device).logical_not()])
+        return kept
+
+    def draft_extend(
+        self,
+        reqs: list[Req],
+        tree: VerifyTree,
+        paths: list[list[int]],
+        bonus: list[int],
+        kept: list[torch.Tensor],
+        target_hidden: torch.Tensor,
+    ) -> None:
+        """Draft catches up on the emitted tokens: position kv_len + j consumes emitted token j
+        with the target hidden state of the node before it."""
+        n = self.num_draft
+        ids, positions, hidden_rows, ext = [], [], [], []
+        for b, (req, path) in enumerate(zip(reqs, paths)):
+            ids += [tree.tokens[b][c] for c in path] + [bonus[b]]
+            positions += range(req.kv_len, req.kv_len + len(path) + 1)
+            hidden_rows += [b * n + node for node in [0] + path]
+            ext.append(len(path) + 1)
+        seq = [r.kv_len + e for r, e in zip(reqs, ext)]
+        fb = ForwardBatch(
+            mode=ForwardMode.DRAFT_EXTEND,
+            batch_size=len(reqs),
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
+            positions=self._positions(positions),
+            out_cache_loc=torch.cat(kept),
+            req_pool_indices=self._rows(reqs),
+            seq_lens=torch.tensor(seq, dtype=torch.int64, device=self.device),
+            extend_seq_lens=torch.tensor(ext, dtype=torch.int64, device=self.device),
+            seq_lens_cpu=seq,
+            extend_seq_lens_cpu=ext,
+            capture_hidden_mode=CaptureHiddenMode.LAST,
+            spec_info=SpecInput(target_hidden[torch.tensor(hidden_rows, device=self.device)]),
+        )
+        self._store_states(reqs, self.draft_runner.forward(fb), list(range(len(reqs))))
