@@ -53,6 +53,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from sglang.srt.layers.moe.fused_moe import moe_forward_native  # noqa: E402
+from sglang.srt.layers.moe.fused_moe_triton import fused_moe  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
@@ -187,3 +189,28 @@ def test_zero_row_batch(shape):
     backend.init_forward_metadata(fb)
     out = backend.forward(q, k, v, _layer(*shape[:4]), fb)
     assert out.shape == (0, num_heads * v_head_dim)
+
+
+# (tokens, experts, top_k, hidden, intermediate): 0 rows, decode-sized, several blocks per
+# expert, widths that are not multiples of the tiles, more experts than routed pairs.
+MOE_SHAPES = [(0, 4, 2, 32, 48), (1, 8, 2, 32, 48), (5, 4, 1, 40, 24), (33, 6, 3, 64, 80), (3, 16, 2, 32, 32)]
+if ON_CUDA:
+    MOE_SHAPES += [(200, 64, 6, 1024, 352), (1, 256, 8, 2048, 256)]
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", MOE_SHAPES)
+def test_fused_moe_matches_native(shape, dtype):
+    num_tokens, num_experts, top_k, hidden, inter = shape
+    gen = torch.Generator().manual_seed(num_tokens * 7 + num_experts)
+    rand = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(DEVICE, dtype)
+    x = rand(num_tokens, hidden)
+    w13, w2 = rand(num_experts, 2 * inter, hidden, scale=hidden**-0.5), rand(num_experts, hidden, inter, scale=inter**-0.5)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
+    ref = moe_forward_native(x, w13, w2, weights, ids)
+    got = fused_moe(x, w13, w2, weights, ids)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    torch.testing.assert_close(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])

@@ -1,0 +1,141 @@
+"""Triton fused MoE: the same SiLU-gated experts as `moe_forward_native`, without host syncs.
+
+(token, slot) pairs are sorted by expert on device and each expert's run is padded to a
+multiple of BLOCK_M, so every block of BLOCK_M sorted rows belongs to a single expert.
+Two grouped GEMMs then run over those blocks: w13 with SiLU(gate) * up fused into its
+epilogue, and w2 with the routing weight applied. The grid is sized from shapes alone
+(an upper bound on the number of blocks); blocks past the last expert exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort (token, slot) pairs by expert and pad each expert's run to block_m rows.
+
+    Returns sorted_pairs [max_blocks * block_m] (flat pair index, or the pair count as
+    padding) and block_expert [max_blocks] (expert of each block; num_experts when unused).
+    """
+    flat = topk_ids.flatten()
+    num_pairs = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    rank = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_experts]
+    dest = (padded_end - padded)[sorted_experts] + rank
+    # Blocks used <= ceil(pairs / block_m) + (number of non-empty experts).
+    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    sorted_pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int64, device=device)
+    sorted_pairs[dest] = order
+    block_starts = torch.arange(max_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
+    return sorted_pairs, block_expert
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    A, W, C, sorted_pairs, block_expert, topk_weights,
+    num_pairs, N, K,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn,
+    NUM_EXPERTS: tl.constexpr, ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """C[pair, n] = A[pair // ROWS_PER_A] . W[expert, n] for the pairs of one sorted block.
+
+    GATED: W has 2N rows (gate then up) and C = silu(A.W_gate) * (A.W_up).
+    MUL_WEIGHT: C is scaled by the pair's routing weight.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert + pid_m)
+    if expert < NUM_EXPERTS:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(sorted_pairs + offs_m)
+        valid_m = pairs < num_pairs
+        a_rows = pairs // ROWS_PER_A
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid_n = offs_n < N
+        w_base = W + expert.to(tl.int64) * stride_we
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if GATED:
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            valid_k = offs_k < K
+            a = tl.load(
+                A + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                mask=valid_m[:, None] & valid_k[None, :],
+                other=0.0,
+            )
+            w_mask = valid_k[:, None] & valid_n[None, :]
+            w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
+            acc += tl.dot(a, w)
+            if GATED:
+                w_up = tl.load(
+                    w_base + (offs_n[None, :] + N) * stride_wn + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0
+                )
+                acc_up += tl.dot(a, w_up)
+        if GATED:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        if MUL_WEIGHT:
+            acc = acc * tl.load(topk_weights + pairs, mask=valid_m, other=0.0)[:, None]
+        tl.store(
+            C + pairs[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+            acc.to(C.dtype.element_ty),
+            mask=valid_m[:, None] & valid_n[None, :],
+        )
+
+
+def _grouped_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    c: torch.Tensor,
+    sorted_pairs: torch.Tensor,
+    block_expert: torch.Tensor,
+    topk_weights: torch.Tensor,
+    block_m: int,
+    rows_per_a: int,
+    gated: bool,
+) -> None:
+    n_out, k_in = c.shape[1], a.shape[1]
+    block_n, block_k = 64, 64
+    grid = (block_expert.shape[0], triton.cdiv(n_out, block_n))
+    _grouped_gemm_kernel[grid](
+        a, w, c, sorted_pairs, block_expert, topk_weights,
+        c.shape[0], n_out, k_in,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
+        NUM_EXPERTS=w.shape[0], ROWS_PER_A=rows_per_a, GATED=gated, MUL_WEIGHT=not gated,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4, num_stages=3,
+    )
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Same contract as moe_forward_native: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
+    topk_weights/topk_ids [T, k] -> [T, H] in hidden's dtype (partial sum of this rank)."""
+    num_tokens, top_k = topk_ids.shape
+    hidden_size, inter = hidden.shape[1], w2.shape[2]
+    if num_tokens == 0:
+        return hidden.new_zeros(hidden.shape)
+    num_pairs = num_tokens * top_k
+    block_m = 16 if num_pairs <= 64 else 64
+    sorted_pairs, block_expert = align_by_expert(topk_ids, w13.shape[0], block_m)
+    weights = topk_weights.flatten().float()
+    act = hidden.new_empty((num_pairs, inter))  # SiLU(gate) * up per pair, in hidden's dtype
+    _grouped_gemm(hidden, w13, act, sorted_pairs, block_expert, weights, block_m, top_k, gated=True)
+    per_pair = torch.empty((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
+    _grouped_gemm(act, w2, per_pair, sorted_pairs, block_expert, weights, block_m, 1, gated=False)
+    return per_pair.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
