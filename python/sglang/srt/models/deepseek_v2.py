@@ -190,19 +190,19 @@ class DeepseekV2Attention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
         else:
             q = self.q_proj(hidden_states)
-        q = q.view(num_tokens, self.num_heads, -1)
+        q = q.view(num_tokens, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)  # no -1: T may be 0
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
         w_uk, w_uv = self._absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
-        q_full = torch.cat([q_latent, q_pe], dim=-1).reshape(num_tokens, -1)
+        q_full = torch.cat([q_latent, q_pe], dim=-1).flatten(1)
         k_full = torch.cat([latent, k_pe.squeeze(1)], dim=-1)  # [T, L + R]: what the pool stores
         o_latent = self.attn(q_full, k_full, k_full[:, : self.kv_lora_rank], forward_batch)
         o_latent = o_latent.view(num_tokens, self.num_heads, self.kv_lora_rank)
         o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
-        return self.o_proj(o.reshape(num_tokens, -1))
+        return self.o_proj(o.flatten(1))
 
 
 class DeepseekV2DecoderLayer(nn.Module):
