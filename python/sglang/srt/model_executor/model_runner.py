@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.layers.attention import create_attention_backend
 from sglang.srt.layers.attention.base import AttentionBackend
-from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.dp_attention import gathered_buffer_rows
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.radix_attention import RadixAttention
@@ -53,6 +53,7 @@ class ModelRunner:
         if server_args.device == "cuda":
             torch.cuda.set_device(gpu_id)
         self.dtype = model_config.dtype
+        self.attn_backend: AttentionBackend = create_attention_backend(server_args.attention_backend)
         self.model = get_model(model_config, server_args.load_format, self.device, seed=server_args.random_seed)
         # One KV layer per attention module (a NextN draft has one; its layer id is 0).
         self.num_kv_layers = sum(isinstance(m, RadixAttention) for m in self.model.modules())
@@ -64,7 +65,6 @@ class ModelRunner:
         )
         self.token_allocator = token_allocator or TokenToKVPoolAllocator(self.max_total_num_tokens, self.device)
         self.kv_pool = self._make_kv_pool()
-        self.attn_backend: AttentionBackend = TorchNativeAttnBackend()
         self.gathered_buffer = self._make_gathered_buffer() if server_args.enable_dp_attention else None
         logger.info(
             "KV cache: %d tokens, %.1f KiB per token, %.2f GiB total; max running requests %d",

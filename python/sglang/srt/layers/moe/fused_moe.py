@@ -91,4 +91,7 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """Partial (this rank's) routed-expert output [T, H]; the caller all-reduces."""
         topk_weights, topk_ids = select_experts(router_logits, self.routing, correction_bias)
-        return moe_forward_native(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        experts = moe_forward_native
+        if hidden.is_cuda:  # triton ships with CUDA builds of torch; the kernel never syncs with the host
+            from sglang.srt.layers.moe.fused_moe_triton import fused_moe as experts
+        return experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
