@@ -55,91 +55,27 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from sglang.srt.layers.moe.fused_moe import moe_forward_native  # noqa: E402
 from sglang.srt.layers.moe.fused_moe_triton import fused_moe  # noqa: E402
-from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from sglang.test.attention_batches import AttnShape, make_attention_batch  # noqa: E402
 
 DEVICE = "cuda" if ON_CUDA else "cpu"
 DTYPES = [torch.bfloat16, torch.float32] if ON_CUDA else [torch.float32]
 TOL = {torch.float32: 2e-3 if ON_CUDA else 1e-4, torch.bfloat16: 3e-2}  # CUDA fp32 dots run in tf32
 
 
-# (num_heads, num_kv_heads, head_dim, v_head_dim, mla): MHA, GQA 4:1, MQA with a non-power-of-two
-# head dim, MLA (one latent head: k = latent ‖ rope, v = latent) at tiny and real DeepSeek widths.
+# MHA, GQA 4:1, MQA with a non-power-of-two head dim, MLA at tiny and real DeepSeek widths.
 ATTN_SHAPES = [
-    (4, 4, 32, 32, False),
-    (8, 2, 64, 64, False),
-    (6, 1, 48, 48, False),
-    (4, 1, 48, 32, True),
+    AttnShape(4, 4, 32, 32),
+    AttnShape(8, 2, 64, 64),
+    AttnShape(6, 1, 48, 48),
+    AttnShape(4, 1, 48, 32, mla=True),
 ]
 if ON_CUDA:
-    ATTN_SHAPES += [(32, 8, 128, 128, False), (16, 1, 576, 512, True), (128, 1, 576, 512, True)]
-
-
-def _layer(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int) -> RadixAttention:
-    return RadixAttention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, layer_id=0, v_head_dim=v_head_dim)
-
-
-def _tree_mask(ext: int, seq: int, gen: torch.Generator) -> torch.Tensor:
-    """Prefix fully visible; each new token sees itself and a random subset of earlier new tokens."""
-    mask = torch.ones(ext, seq, dtype=torch.bool)
-    new = torch.rand(ext, ext, generator=gen) < 0.5
-    mask[:, seq - ext :] = (new.tril(-1) | torch.eye(ext, dtype=torch.bool))
-    return mask.flatten()
-
-
-def _make_batch(shape, ext_lens, prefix_lens, dtype, tree: bool, seed: int):
-    """A one-layer pool with random cached prefixes at scattered slots, plus this forward's q/k/v."""
-    num_heads, num_kv_heads, head_dim, v_head_dim, mla = shape
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [p + e for p, e in zip(prefix_lens, ext_lens)]
-    pool_size = sum(seq_lens) + 37
-    if mla:
-        pool = MLATokenToKVPool(pool_size, dtype, v_head_dim, head_dim - v_head_dim, 1, DEVICE)
-        pool.kv_buffer[0].copy_(torch.randn(pool.kv_buffer[0].shape, generator=gen))
-    else:
-        pool = MHATokenToKVPool(pool_size, dtype, num_kv_heads, head_dim, 1, DEVICE, v_head_dim)
-        pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape, generator=gen))
-        pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape, generator=gen))
-    bs = len(ext_lens)
-    req_pool = ReqToTokenPool(bs + 3, max(seq_lens, default=1) + 4, DEVICE)
-    rows = torch.randperm(bs + 3, generator=gen)[:bs]
-    slots = (torch.randperm(pool_size, generator=gen) + 1).tolist()  # scattered: crosses every block
-    out_loc = []
-    for row, seq, ext in zip(rows.tolist(), seq_lens, ext_lens):
-        mine, slots = slots[:seq], slots[seq:]
-        req_pool.write(row, 0, torch.tensor(mine, device=DEVICE))
-        out_loc += mine[seq - ext :]
-    num_tokens = sum(ext_lens)
-    as_dev = lambda x: torch.tensor(x, dtype=torch.int64, device=DEVICE)
-    mask = None
-    if tree:
-        mask = torch.cat([_tree_mask(e, s, gen) for e, s in zip(ext_lens, seq_lens)] + [torch.zeros(0, dtype=torch.bool)])
-        mask = mask.to(DEVICE)
-    fb = ForwardBatch(
-        mode=ForwardMode.TARGET_VERIFY if tree else ForwardMode.EXTEND,
-        batch_size=bs,
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=DEVICE),
-        positions=torch.zeros(num_tokens, dtype=torch.int64, device=DEVICE),
-        out_cache_loc=as_dev(out_loc),
-        req_pool_indices=rows.to(DEVICE),
-        seq_lens=as_dev(seq_lens),
-        extend_seq_lens=as_dev(ext_lens),
-        seq_lens_cpu=seq_lens,
-        extend_seq_lens_cpu=list(ext_lens),
-        custom_mask=mask,
-        req_to_token_pool=req_pool,
-        token_to_kv_pool=pool,
-    )
-    q = torch.randn(num_tokens, num_heads * head_dim, generator=gen).to(DEVICE, dtype)
-    k = torch.randn(num_tokens, num_kv_heads * head_dim, generator=gen).to(DEVICE, dtype)
-    v = k[:, :v_head_dim] if mla else torch.randn(num_tokens, num_kv_heads * v_head_dim, generator=gen).to(DEVICE, dtype)
-    return fb, q, k, v
+    ATTN_SHAPES += [AttnShape(32, 8, 128, 128), AttnShape(16, 1, 576, 512, True), AttnShape(128, 1, 576, 512, True)]
 
 
 def _compare(shape, ext_lens, prefix_lens, dtype, tree=False, seed=0):
-    fb, q, k, v = _make_batch(shape, ext_lens, prefix_lens, dtype, tree, seed)
-    layer = _layer(*shape[:4])
+    fb, q, k, v = make_attention_batch(shape, ext_lens, prefix_lens, dtype, DEVICE, tree, seed)
+    layer = shape.layer()
     outs = []
     for backend in (TorchNativeAttnBackend(), TritonAttnBackend()):
         fb.attn_backend = backend
@@ -182,13 +118,12 @@ def test_verify_tree_mask_matches_torch_native(shape, dtype):
 @kernel_test
 @pytest.mark.parametrize("shape", [ATTN_SHAPES[1], ATTN_SHAPES[3]])
 def test_zero_row_batch(shape):
-    num_heads, _, _, v_head_dim, _ = shape
-    fb, q, k, v = _make_batch(shape, [], [], DTYPES[0], tree=False, seed=3)
+    fb, q, k, v = make_attention_batch(shape, [], [], DTYPES[0], DEVICE)
     backend = TritonAttnBackend()
     fb.attn_backend = backend
     backend.init_forward_metadata(fb)
-    out = backend.forward(q, k, v, _layer(*shape[:4]), fb)
-    assert out.shape == (0, num_heads * v_head_dim)
+    out = backend.forward(q, k, v, shape.layer(), fb)
+    assert out.shape == (0, shape.num_heads * shape.v_head_dim)
 
 
 # (tokens, experts, top_k, hidden, intermediate): 0 rows, decode-sized, several blocks per
