@@ -60,12 +60,16 @@ def _requests(model_dir: str, baseline_ids: list[list[int]] | None = None) -> li
     ]
 
 
+def _generate(engine, requests) -> list[dict]:
+    return engine.generate(
+        input_ids=[p for p, _ in requests],
+        sampling_params=[{"temperature": 0, **params} for _, params in requests],
+    )
+
+
 def _run(model_dir: str, requests, **engine_args) -> list[dict]:
     with sgl.Engine(model_path=model_dir, device="cpu", **engine_args) as engine:
-        outs = engine.generate(
-            input_ids=[p for p, _ in requests],
-            sampling_params=[{"temperature": 0, **params} for _, params in requests],
-        )
+        outs = _generate(engine, requests)
         for state in engine.get_server_info()["internal_states"]:
             assert state["available_kv_tokens"] == state["max_total_num_tokens"]
     return outs
@@ -77,24 +81,26 @@ def _summary(outs: list[dict]) -> list[tuple]:
     ]
 
 
+def _baseline(model_dir: str):
+    """The non-speculative run: plain requests first, then those derived from their outputs."""
+    with sgl.Engine(model_path=model_dir, device="cpu") as engine:
+        first = _generate(engine, _requests(model_dir))
+        requests = _requests(model_dir, [o["output_ids"] for o in first])
+        return requests, _summary(_generate(engine, requests))
+
+
 @pytest.fixture(scope="module")
 def llama_baseline(llama_pair):
-    target, _ = llama_pair
-    first = _run(target, _requests(target))
-    requests = _requests(target, [o["output_ids"] for o in first])
-    return requests, _summary(_run(target, requests))
+    return _baseline(llama_pair[0])
 
 
 @pytest.fixture(scope="module")
 def deepseek_baseline(deepseek):
-    first = _run(deepseek, _requests(deepseek))
-    requests = _requests(deepseek, [o["output_ids"] for o in first])
-    return requests, _summary(_run(deepseek, requests))
+    return _baseline(deepseek)
 
 
 SPEC_CASES = [
     pytest.param(CHAIN, id="chain"),
-    pytest.param(TREE, id="tree"),
     pytest.param({**TREE, "chunked_prefill_size": 4}, id="tree-chunked"),
 ]
 
@@ -112,3 +118,92 @@ def test_nextn_greedy_equals_plain(deepseek, deepseek_baseline, spec_args):
     requests, expected = deepseek_baseline
     outs = _run(deepseek, requests, speculative_algorithm="NEXTN", **spec_args)
     assert _summary(outs) == expected
+
+
+@pytest.fixture(scope="module")
+def perfect_llama(tmp_path_factory) -> tuple[str, str]:
+    return make_perfect_llama_pair(str(tmp_path_factory.mktemp("perfect_llama")))
+
+
+def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(max_new):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            outs.append(ids[len(prompt) :])
+    return outs
+
+
+def _greedy_with_accept_length(model_dir: str, **engine_args) -> tuple[list[list[int]], float]:
+    with sgl.Engine(model_path=model_dir, device="cpu", **engine_args) as engine:
+        outs = engine.generate(
+            input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+        )
+        accept = engine.get_server_info()["internal_states"][0]["avg_spec_accept_length"]
+    return [o["output_ids"] for o in outs], accept
+
+
+def test_perfect_eagle_head_accepts_every_draft(perfect_llama):
+    target, head = perfect_llama
+    ids, accept = _greedy_with_accept_length(target, speculative_algorithm="EAGLE", speculative_draft_model_path=head, **CHAIN)
+    assert accept == CHAIN["speculative_num_steps"] + 1
+    assert ids == _hf_greedy(target, PROMPTS, MAX_NEW)
+
+
+def test_perfect_nextn_accepts_every_draft(tmp_path):
+    target = make_perfect_deepseek_v3(str(tmp_path / "v3"))
+    _, accept = _greedy_with_accept_length(target, speculative_algorithm="NEXTN", **CHAIN)
+    assert accept == CHAIN["speculative_num_steps"] + 1
+
+
+def _chi_square_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
+    h = 2.0 / (9.0 * df)
+    return df * (1.0 - h + z * math.sqrt(h)) ** 3
+
+
+def _chi_square(counts: dict[int, int], expected: torch.Tensor, n: int) -> tuple[float, int]:
+    """Statistic and degrees of freedom; cells expecting fewer than 5 samples are pooled."""
+    big = [t for t in range(expected.numel()) if expected[t] * n >= 5]
+    cells = [(counts.get(t, 0), float(expected[t]) * n) for t in big]
+    rest_obs = n - sum(o for o, _ in cells)
+    rest_exp = n - sum(e for _, e in cells)
+    if rest_exp > 1e-9:
+        cells.append((rest_obs, rest_exp))
+    else:
+        assert rest_obs == 0, "tokens outside the target's support"
+    return sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
+
+
+def test_tree_sampling_keeps_target_distribution(perfect_llama):
+    """The target of the perfect pair predicts from the current token alone, so the law of
+    the k-th output token is a product of per-token next-token distributions q."""
+    target, head = perfect_llama
+    num, top_k, temperature = 500, 3, 1.0
+    prompt = [5, 17, 42]
+    with sgl.Engine(
+        model_path=target, device="cpu", speculative_algorithm="EAGLE", speculative_draft_model_path=head, **TREE
+    ) as engine:
+        outs = engine.generate(
+            input_ids=[prompt] * num,
+            sampling_params={"max_new_tokens": 3, "temperature": temperature, "top_k": top_k, "ignore_eos": True},
+        )
+        accept = engine.get_server_info()["internal_states"][0]["avg_spec_accept_length"]
+    assert accept > 1.5  # drafts are accepted (and rejected) along the way
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        logits = model(torch.arange(vocab).view(-1, 1)).logits[:, 0] / temperature
+    kth = logits.topk(top_k, dim=-1).values[:, -1:]
+    q = torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1).double()  # q[t] = law after t
+    law = q[prompt[-1]]
+    for k in range(1, 3):  # the first tokens produced by a verify step
+        law = law @ q
+        counts: dict[int, int] = {}
+        for o in outs:
+            counts[o["output_ids"][k]] = counts.get(o["output_ids"][k], 0) + 1
+        stat, df = _chi_square(counts, law, num)
+        assert stat < _chi_square_critical(df), (k, stat, df)
