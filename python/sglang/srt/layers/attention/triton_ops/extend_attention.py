@@ -119,7 +119,7 @@ def _tile_sizes(tiling: HeadDimTiling) -> tuple[int, int, int]:
         return 64, 64, 4
     if width <= 256:
         return 64, 32, 4
-    return 32, 16, 4
+    return 32, 16, 8
 
 
 def extend_attention(

@@ -1,0 +1,112 @@
+"""Triton vs torch_native paged attention on one layer: median latency with CUDA events.
+
+    python benchmark/kernels/bench_attention.py [--dtype bfloat16] [--iters 20]
+
+Each case checks that both backends agree before timing them. Decode cases also report
+the KV bytes read per call over the Triton time (effective HBM bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
+
+from sglang.srt.layers.attention.base import AttentionBackend
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from sglang.test.attention_batches import AttnShape, make_attention_batch
+
+LLAMA_8B = AttnShape(32, 8, 128, 128)  # Llama-3.1-8B per layer, tp 1
+DEEPSEEK_MLA = AttnShape(16, 1, 576, 512, mla=True)  # DeepSeek-V3 absorbed MLA, 16 heads per rank
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    shape: AttnShape
+    ext_lens: list[int]
+    prefix_lens: list[int]
+    tree: bool = False
+
+    @property
+    def is_decode(self) -> bool:
+        return all(e == 1 for e in self.ext_lens) and not self.tree
+
+
+def cases() -> list[Case]:
+    out = []
+    for label, shape in (("llama8b", LLAMA_8B), ("mla", DEEPSEEK_MLA)):
+        out += [
+            Case(f"{label} decode bs=1 ctx=1024", shape, [1], [1023]),
+            Case(f"{label} decode bs=1 ctx=8192", shape, [1], [8191]),
+            Case(f"{label} decode bs=32 ctx=1024", shape, [1] * 32, [1023] * 32),
+            Case(f"{label} decode bs=32 ctx=4096", shape, [1] * 32, [4095] * 32),
+            Case(f"{label} prefill 1x2048", shape, [2048], [0]),
+            Case(f"{label} extend 4x256 on 1024 prefix", shape, [256] * 4, [1024] * 4),
+            Case(f"{label} verify 32x8 tree on 1024 ctx", shape, [8] * 32, [1016] * 32, tree=True),
+        ]
+    return out
+
+
+def time_ms(fn, iters: int) -> float:
+    """Median of `iters` CUDA-event timings after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def run_case(case: Case, dtype: torch.dtype, iters: int) -> str:
+    fb, q, k, v = make_attention_batch(case.shape, case.ext_lens, case.prefix_lens, dtype, "cuda", case.tree)
+    layer = case.shape.layer()
+
+    def bind(backend: AttentionBackend):
+        fb.attn_backend = backend
+        backend.init_forward_metadata(fb)  # once per forward, shared by all layers: not timed
+        return lambda: backend.forward(q, k, v, layer, fb)
+
+    native, triton_fn = bind(TorchNativeAttnBackend()), bind(TritonAttnBackend())
+    fb.attn_backend = None
+    err = (triton_fn().float() - native().float()).abs().max().item()
+    t_native, t_triton = time_ms(native, iters), time_ms(triton_fn, iters)
+    line = f"{case.name:<42} native {t_native:9.3f} ms  triton {t_triton:8.3f} ms  x{t_native / t_triton:6.1f}  max|diff| {err:.1e}"
+    if case.is_decode:
+        s = case.shape
+        # MLA's V is a view of the latent already read as K.
+        per_token = (s.head_dim if s.mla else s.num_kv_heads * (s.head_dim + s.v_head_dim)) * dtype.itemsize
+        kv_bytes = sum(p + e for p, e in zip(case.prefix_lens, case.ext_lens)) * per_token
+        line += f"  KV read {kv_bytes / t_triton / 1e6:7.1f} GB/s"
+    return line
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_attention: CUDA is required (the Triton kernels are benchmarked compiled)", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  dtype {args.dtype}  median of {args.iters}")
+    for case in cases():
+        print(run_case(case, dtype, args.iters), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
