@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
 import pytest
+import requests
 
 import sglang as sgl
+from sglang.test.server_utils import kill_server, popen_launch_server
 
 PROMPTS = [
     [5, 17, 42, 99, 7, 3, 250, 11, 12, 13, 14, 15, 16],
@@ -64,13 +67,15 @@ def test_greedy_equals_single_rank(model_and_reference, args):
 
 def test_dp_attention_uneven_load_and_plan_sync(model_and_reference):
     path, reference = model_and_reference
-    args = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "chunked_prefill_size": 4}
-    with sgl.Engine(model_path=path, device="cpu", **args) as engine:
+    args = ["--device", "cpu", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]
+    server = popen_launch_server(path, args + ["--chunked-prefill-size", "4"])
+    try:
         results = {}
 
         def run(i, delay):
             time.sleep(delay)
-            results[i] = _generate(engine, [PROMPTS[i]], [MAX_NEW[i]])[0]
+            body = {"input_ids": PROMPTS[i], "sampling_params": _params(MAX_NEW[i])}
+            results[i] = requests.post(f"{server.base_url}/generate", json=body, timeout=120).json()["output_ids"]
 
         # Staggered arrivals: later requests land while the other rank is mid-decode, and the
         # long prompt is chunked (4 tokens per chunk) on one rank while the other decodes.
@@ -79,11 +84,14 @@ def test_dp_attention_uneven_load_and_plan_sync(model_and_reference):
             t.start()
         for t in threads:
             t.join(120)
-        assert [results[i] for i in range(len(PROMPTS))] == reference
-        states = _states(engine)
-        assert len(states) == 2
+        assert [results.get(i) for i in range(len(PROMPTS))] == reference
+        states = requests.get(f"{server.base_url}/get_server_info", timeout=30).json()["internal_states"]
+        assert [s["dp_rank"] for s in states] == [0, 1]
         for s in states:
             # Exactly one plan all-gather per scheduler iteration, and one gathered buffer.
             assert abs(s["plan_all_gathers"] - s["iterations"]) <= 1
             assert s["gathered_buffer_bytes"] > 0
-        _assert_pool_full(engine)
+            assert s["available_kv_tokens"] == s["max_total_num_tokens"]
+        assert re.search(r"DP1 TP1\] Prefill batch", server.log_tail(200000))
+    finally:
+        kill_server(server)
