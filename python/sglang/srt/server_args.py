@@ -232,6 +232,8 @@ _NOT_SUPPORTED_YET.extend(
         (lambda a: a.nnodes > 1 and a.dp_size > 1 and not a.enable_dp_attention,
          "--dp-size replicas across --nnodes > 1 are not supported yet (use --enable-dp-attention)"),
         (lambda a: a.speculative_algorithm == "EAGLE3", "--speculative-algorithm EAGLE3 is not supported yet; use EAGLE or NEXTN"),
+        (lambda a: a.speculative_algorithm is not None and a.enable_dp_attention,
+         "--speculative-algorithm with --enable-dp-attention is not supported yet"),
     ]
 )
 
