@@ -59,7 +59,7 @@ from sglang.test.attention_batches import AttnShape, make_attention_batch  # noq
 
 DEVICE = "cuda" if ON_CUDA else "cpu"
 DTYPES = [torch.bfloat16, torch.float32] if ON_CUDA else [torch.float32]
-TOL = {torch.float32: 2e-3 if ON_CUDA else 1e-4, torch.bfloat16: 3e-2}  # CUDA fp32 dots run in tf32
+TOL = {torch.float32: 1e-2 if ON_CUDA else 1e-4, torch.bfloat16: 3e-2}  # CUDA fp32 dots run in TF32
 
 
 # MHA, GQA 4:1, MQA with a non-power-of-two head dim, MLA at tiny and real DeepSeek widths.
