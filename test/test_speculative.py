@@ -207,3 +207,32 @@ def test_tree_sampling_keeps_target_distribution(perfect_llama):
             counts[o["output_ids"][k]] = counts.get(o["output_ids"][k], 0) + 1
         stat, df = _chi_square(counts, law, num)
         assert stat < _chi_square_critical(df), (k, stat, df)
+
+
+def test_eagle_tree_under_tp2_equals_plain(llama_pair, llama_baseline):
+    target, head = llama_pair
+    requests, expected = llama_baseline
+    outs = _run(target, requests, tp_size=2, speculative_algorithm="EAGLE", speculative_draft_model_path=head, **TREE)
+    assert _summary(outs) == expected
+
+
+def _spec_args(**kwargs) -> ServerArgs:
+    return ServerArgs(model_path="m", device="cpu", **kwargs)
+
+
+def test_speculative_defaults_and_validation():
+    auto = _spec_args(speculative_algorithm="NEXTN")
+    assert auto.speculative_draft_model_path == "m"
+    assert (auto.speculative_num_steps, auto.speculative_eagle_topk, auto.speculative_num_draft_tokens) == (3, 1, 4)
+    chain = _spec_args(speculative_algorithm="NEXTN", speculative_num_steps=5, speculative_num_draft_tokens=2)
+    assert (chain.speculative_eagle_topk, chain.speculative_num_draft_tokens) == (1, 6)
+    with pytest.raises(ValueError, match="--speculative-num-draft-tokens"):
+        _spec_args(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=4)
+    with pytest.raises(ValueError, match=r"--speculative-num-draft-tokens must be in \[2, 7\]"):
+        _spec_args(speculative_algorithm="NEXTN", speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=10)
+    with pytest.raises(ValueError, match="--speculative-num-steps"):
+        _spec_args(speculative_algorithm="NEXTN", speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+    with pytest.raises(ValueError, match="--speculative-draft-model-path"):
+        _spec_args(speculative_algorithm="EAGLE")
+    with pytest.raises(ValueError, match="not supported yet"):
+        _spec_args(speculative_algorithm="EAGLE3", speculative_draft_model_path="d").check_launchable()
