@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
 import time
 
@@ -10,7 +12,8 @@ import pytest
 import requests
 
 import sglang as sgl
-from sglang.test.server_utils import kill_server, popen_launch_server
+from sglang.srt.utils.process import descendant_pids
+from sglang.test.server_utils import kill_server, popen_launch_server, wait_until_gone
 
 PROMPTS = [
     [5, 17, 42, 99, 7, 3, 250, 11, 12, 13, 14, 15, 16],
@@ -95,3 +98,24 @@ def test_dp_attention_uneven_load_and_plan_sync(model_and_reference):
         assert re.search(r"DP1 TP1\] Prefill batch", server.log_tail(200000))
     finally:
         kill_server(server)
+
+
+def test_stuck_rank_trips_the_watchdog_and_the_server_exits(tiny_llama_dir):
+    args = ["--device", "cpu", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--watchdog-timeout", "6"]
+    server = popen_launch_server(tiny_llama_dir, args)
+    children = descendant_pids(server.pid)
+    try:
+        states = requests.get(f"{server.base_url}/get_server_info", timeout=30).json()["internal_states"]
+        # Freeze DP rank 1: rank 0 then waits in the per-iteration all-gather until its watchdog fires.
+        os.kill(states[1]["pid"], signal.SIGSTOP)
+        server.wait(timeout=60)
+        log = server.log_tail(20000)
+        assert "watchdog" in log.lower() and "exited unexpectedly" in log
+    finally:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        kill_server(server)
+    assert wait_until_gone(children) == []

@@ -60,7 +60,7 @@ class ServerArgs:
     watchdog_timeout: float = field(default=300, metadata=_arg("Seconds a scheduler may be stuck in one step before the server exits."))
 
     # Kernels and CUDA graphs
-    attention_backend: Optional[str] = field(default=None, metadata=_arg("Attention kernels; torch_native on CPU.", choices=ATTENTION_BACKENDS))
+    attention_backend: Optional[str] = field(default=None, metadata=_arg("Attention kernels; triton on CUDA, torch_native on CPU.", choices=ATTENTION_BACKENDS))
     disable_cuda_graph: bool = field(default=False, metadata=_arg("Run every forward eagerly."))
     disable_cuda_graph_padding: bool = field(default=False, metadata=_arg("Use CUDA graphs only for batch sizes captured exactly (no padding)."))
     cuda_graph_max_bs: Optional[int] = field(default=None, metadata=_arg("Largest per-rank batch size captured in a CUDA graph."))
@@ -102,7 +102,7 @@ class ServerArgs:
         if self.served_model_name is None:
             self.served_model_name = self.model_path
         if self.attention_backend is None:
-            self.attention_backend = "torch_native"
+            self.attention_backend = "triton" if self.device == "cuda" else "torch_native"
         if self.random_seed is None:
             self.random_seed = 42
         if self.chunked_prefill_size is None:
@@ -227,8 +227,6 @@ class ServerArgs:
 _NOT_SUPPORTED_YET.extend(
     [
         (lambda a: a.page_size != 1, "--page-size other than 1 is not supported yet"),
-        (lambda a: a.attention_backend in ("triton", "flashinfer"),
-         "--attention-backend triton/flashinfer is not supported yet; use torch_native"),
         (lambda a: a.nnodes > 1 and a.dp_size > 1 and not a.enable_dp_attention,
          "--dp-size replicas across --nnodes > 1 are not supported yet (use --enable-dp-attention)"),
         (lambda a: a.speculative_algorithm == "EAGLE3", "--speculative-algorithm EAGLE3 is not supported yet; use EAGLE or NEXTN"),

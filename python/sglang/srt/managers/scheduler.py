@@ -424,6 +424,7 @@ class Scheduler:
             "last_gen_throughput": self.last_gen_throughput,
             "num_running_reqs": len(self.running),
             "num_waiting_reqs": len(self.waiting),
+            "pid": os.getpid(),
             "iterations": self.iterations,
             "plan_all_gathers": self.comm.num_plan_gathers,
             "gathered_buffer_bytes": _nbytes(self.runner.gathered_buffer),
