@@ -425,6 +425,7 @@ class Scheduler:
             "num_running_reqs": len(self.running),
             "num_waiting_reqs": len(self.waiting),
             "pid": os.getpid(),
+            "weight_bytes": self.runner.weight_bytes,
             "iterations": self.iterations,
             "plan_all_gathers": self.comm.num_plan_gathers,
             "gathered_buffer_bytes": _nbytes(self.runner.gathered_buffer),

@@ -55,6 +55,7 @@ class ModelRunner:
         self.dtype = model_config.dtype
         self.attn_backend: AttentionBackend = create_attention_backend(server_args.attention_backend)
         self.model = get_model(model_config, server_args.load_format, self.device, seed=server_args.random_seed)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # One KV layer per attention module (a NextN draft has one; its layer id is 0).
         self.num_kv_layers = sum(isinstance(m, RadixAttention) for m in self.model.modules())
         self.kv_bytes_per_token = self._kv_bytes_per_token()
@@ -119,9 +120,15 @@ class ModelRunner:
         kv_heads = cfg.get_num_kv_heads(self.attn_tp_size)
         return MHATokenToKVPool(size, self.dtype, kv_heads, cfg.head_dim, self.num_kv_layers, self.device)
 
-    def _make_gathered_buffer(self, tokens_per_request: int = 1) -> torch.Tensor:
-        """The one DP-attention gather buffer of this rank, sized for its largest sub-forward."""
+    def _make_gathered_buffer(self) -> torch.Tensor:
+        """The one DP-attention gather buffer of this rank, sized for its largest sub-forward
+        (a speculative cycle's draft steps, verify and draft extend all fit in it)."""
         args = self.server_args
+        tokens_per_request = 1
+        if args.speculative_algorithm is not None:
+            tokens_per_request = max(
+                args.speculative_num_draft_tokens, args.speculative_eagle_topk, args.speculative_num_steps + 1
+            )
         rows = gathered_buffer_rows(
             self.max_running_requests, tokens_per_request, self.prefill_token_budget(), args.dp_size
         )
