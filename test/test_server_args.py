@@ -68,7 +68,7 @@ def test_invalid_combinations_name_the_flag(extra, flag, capsys):
 
 
 def test_later_features_say_not_supported_yet():
-    args = prepare_server_args(["--model-path", "m", "--device", "cpu", "--tp-size", "2"])
+    args = prepare_server_args(["--model-path", "m", "--device", "cpu", "--page-size", "16"])
     with pytest.raises(ValueError, match="not supported yet"):
         args.check_launchable()
 
