@@ -5,8 +5,9 @@ A model from a config alone (random weights, `--config`) or a real model (`--mod
     python benchmark/bench_decode.py --config benchmark/configs/llama-3.1-8b.json --batch-sizes 1 32
     python benchmark/bench_decode.py --model-path SmolLM2-135M-Instruct --batch-sizes 1 32
 
-Decode time per step is (T(out_len) - T(1)) / (out_len - 1): the prefill and the first token
-cancel out. Each figure is the median of --repeats runs after a warm-up. Any flag after `--`
+Decode time per token step is (T(out_len) - T(1)) / (out_len - 1): the prefill and the first
+token cancel out. Under speculation the same difference divided by the verify steps of the
+request gives the time of one speculative cycle. Each figure is the median of --repeats runs after a warm-up. Any flag after `--`
 goes to the engine (e.g. `-- --disable-cuda-graph --tp-size 2`).
 """
 
@@ -35,27 +36,33 @@ def dummy_model_dir(config_path: str) -> str:
     return out
 
 
-def timed_generate(engine: sgl.Engine, prompts: list[list[int]], out_len: int) -> float:
+def timed_generate(engine: sgl.Engine, prompts: list[list[int]], out_len: int) -> tuple[float, int]:
+    """Seconds for the batch, and the verify steps of its first request (0 without speculation)."""
     params = {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}
     start = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     elapsed = time.perf_counter() - start
     assert all(o["meta_info"]["completion_tokens"] == out_len for o in outs)
-    return elapsed
+    return elapsed, outs[0]["meta_info"].get("spec_verify_ct", 0)
 
 
 def bench(engine: sgl.Engine, batch_size: int, input_len: int, out_len: int, repeats: int) -> dict:
     prompts = [[10 + (i * 7 + j) % 290 for j in range(input_len)] for i in range(batch_size)]
-    timed_generate(engine, prompts, 4)  # warm-up at this batch size
-    steps = []
-    for r in range(repeats):
+    timed_generate(engine, prompts, 8)  # warm-up at this batch size
+    per_token, per_cycle = [], []
+    for _ in range(repeats):
         engine.flush_cache()
-        t1 = timed_generate(engine, prompts, 1)
+        t1, _ = timed_generate(engine, prompts, 1)
         engine.flush_cache()
-        tn = timed_generate(engine, prompts, out_len)
-        steps.append((tn - t1) / (out_len - 1))
-    step = statistics.median(steps)
-    return {"batch_size": batch_size, "ms_per_step": step * 1e3, "tokens_per_s": batch_size / step}
+        tn, cycles = timed_generate(engine, prompts, out_len)
+        per_token.append((tn - t1) / (out_len - 1))
+        if cycles:  # speculative: one cycle = draft steps + verify + draft extend
+            per_cycle.append((tn - t1) / cycles)
+    step = statistics.median(per_token)
+    row = {"batch_size": batch_size, "ms_per_token_step": step * 1e3, "tokens_per_s": batch_size / step}
+    if per_cycle:
+        row["ms_per_spec_cycle"] = statistics.median(per_cycle) * 1e3
+    return row
 
 
 def main() -> None:

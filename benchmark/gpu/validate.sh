@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GPU validation and measurements, run on the device machine from the project root:
+#   source .device/env.sh && bash benchmark/gpu/validate.sh STAGE
+# Logs go to $OUT (or ./gpu-logs). Each step has its own time limit and failures do not stop
+# the stages that follow.
+set -u
+out="${OUT:-gpu-logs}"; mkdir -p "$out"
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name: $*" | tee -a "$out/summary.log"
+  local t0=$SECONDS
+  timeout "$secs" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$out/summary.log"
+  grep -E '^\{|passed|failed|error|identical|matching|Error' "$out/$name.log" | tail -40 | tee -a "$out/summary.log"
+}
+smollm2="${SMOLLM2_GGUF:-/tmp/smollm2.gguf}"
+case "${1:-}" in
+  kernels)
+    step kernel_tests 240 python3 -m pytest -q -x test/test_triton_kernels.py test/test_attention_backends.py
+    step bench_attention 150 python3 benchmark/kernels/bench_attention.py
+    step smollm2_agreement 150 python3 benchmark/accuracy/greedy_agreement.py --model-path "$smollm2" \
+      --out "$out/smollm2_gpu_bf16.json" --compare benchmark/accuracy/smollm2_cpu_f32.json -- --disable-cuda-graph
+    step smollm2_decode 150 python3 benchmark/bench_decode.py --model-path "$smollm2" --batch-sizes 1 32 -- --disable-cuda-graph
+    ;;
+  decode)
+    step llama8b_decode 200 python3 benchmark/bench_decode.py --config benchmark/configs/llama-3.1-8b.json \
+      --batch-sizes 1 32 -- --disable-cuda-graph
+    step llama8b_hf 200 python3 benchmark/bench_hf_decode.py --config benchmark/configs/llama-3.1-8b.json --batch-sizes 1 32
+    step dsv2lite_decode 200 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
+      --batch-sizes 1 32 -- --disable-cuda-graph
+    step dsv2lite_nextn 200 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
+      --batch-sizes 1 -- --disable-cuda-graph --speculative-algorithm NEXTN --speculative-num-steps 3 \
+      --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
+    ;;
+  *) echo "usage: validate.sh kernels|decode"; exit 2 ;;
+esac
