@@ -42,8 +42,10 @@ class ModelRunner:
         tp_size: int = 1,
         req_to_token_pool: Optional[ReqToTokenPool] = None,
         token_allocator: Optional[TokenToKVPoolAllocator] = None,
+        gathered_buffer: Optional[torch.Tensor] = None,
     ):
-        """A draft runner passes the target's req_to_token_pool and allocator (shared slots)."""
+        """A draft runner passes the target's req_to_token_pool and allocator (shared slots) and,
+        under DP attention, the target's gathered buffer (one buffer per rank)."""
         self.model_config = model_config
         self.server_args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -66,7 +68,9 @@ class ModelRunner:
         )
         self.token_allocator = token_allocator or TokenToKVPoolAllocator(self.max_total_num_tokens, self.device)
         self.kv_pool = self._make_kv_pool()
-        self.gathered_buffer = self._make_gathered_buffer() if server_args.enable_dp_attention else None
+        self.gathered_buffer = gathered_buffer
+        if server_args.enable_dp_attention and gathered_buffer is None:
+            self.gathered_buffer = self._make_gathered_buffer()
         logger.info(
             "KV cache: %d tokens, %.1f KiB per token, %.2f GiB total; max running requests %d",
             self.max_total_num_tokens,
@@ -135,9 +139,9 @@ class ModelRunner:
         hidden = self.model_config.hidden_size
         buffer = torch.empty((rows, hidden), dtype=self.dtype, device=self.device)
         logger.info(
-            "DP attention gathered buffer: %d rows x %d hidden = %.1f MiB "
+            "DP attention gathered buffer: %d rows x %d hidden = %d bytes (%.1f MiB) "
             "(rows = max(max_running_requests %d x tokens/request %d, prefill budget %d) x dp_size %d)",
-            rows, hidden, buffer.numel() * buffer.element_size() / (1 << 20),
+            rows, hidden, buffer.numel() * buffer.element_size(), buffer.numel() * buffer.element_size() / (1 << 20),
             self.max_running_requests, tokens_per_request, self.prefill_token_budget(), args.dp_size,
         )
         return buffer

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from sglang.srt.distributed.parallel_state import get_attn_tp
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -31,6 +32,7 @@ from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabPara
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import load_weights_into
 from sglang.srt.models.llama import STACKED_PARAMS_MAPPING, LlamaDecoderLayer
+
 
 class LlamaEagleModel(nn.Module):
     """The head's own weights (everything except the shared embedding and LM head)."""
@@ -55,8 +57,9 @@ class LlamaForCausalLMEagle(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaEagleModel(config)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        # Sharded like the target's (over attention TP), so that set_embed_and_head shares them.
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group=get_attn_tp())
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group=get_attn_tp())
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @torch.no_grad()
