@@ -20,7 +20,12 @@ from sglang.srt.mem_cache.memory_pool import (
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.cuda_graph_runner import (
+    CudaGraphRunner,
+    GraphCapturableBackend,
+    capture_batch_sizes,
+)
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_loader import get_model
 from sglang.srt.server_args import ServerArgs
 
@@ -78,6 +83,8 @@ class ModelRunner:
             self.max_total_num_tokens * self.kv_bytes_per_token / _GIB,
             self.max_running_requests,
         )
+        # Captured last: graphs bake in the addresses of the weights, KV pool and buffers above.
+        self.graph_runner = self._make_graph_runner()
 
     # ------------------------------------------------------------------ memory
     def _kv_bytes_per_token(self) -> int:
@@ -152,12 +159,58 @@ class ModelRunner:
         chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else args.max_prefill_tokens
         return min(chunk, args.max_prefill_tokens)
 
+    # ------------------------------------------------------------------ CUDA graphs
+    def _graph_modes(self) -> dict[ForwardMode, int]:
+        """Captured modes and their tokens per request (empty: no graphs). Speculative
+        sub-forwards and DP attention's agreed padding are not captured yet."""
+        args = self.server_args
+        if args.disable_cuda_graph or args.device != "cuda":
+            return {}
+        reason = None
+        if not isinstance(self.attn_backend, GraphCapturableBackend):
+            reason = f"--attention-backend {args.attention_backend} cannot be captured"
+        elif args.enable_dp_attention:
+            reason = "DP attention needs graph sizes agreed across ranks"
+        elif args.speculative_algorithm is not None:
+            reason = "speculative sub-forwards are not captured yet"
+        if reason:
+            logger.info("CUDA graphs off: %s", reason)
+            return {}
+        return {ForwardMode.DECODE: 1}
+
+    def _make_graph_runner(self) -> Optional[CudaGraphRunner]:
+        modes = self._graph_modes()
+        if not modes:
+            return None
+        args = self.server_args
+        sizes = capture_batch_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, self.max_running_requests)
+        if not sizes:
+            logger.info("CUDA graphs off: no batch size to capture")
+            return None
+        runner = CudaGraphRunner(self, modes, sizes, args.disable_cuda_graph_padding)
+        runner.capture()
+        return runner
+
     # ------------------------------------------------------------------ forward
-    @torch.inference_mode()
-    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+    def attach(self, forward_batch: ForwardBatch) -> None:
+        """Point the batch at this runner's backend, pools and gathered buffer."""
         forward_batch.attn_backend = self.attn_backend
         forward_batch.req_to_token_pool = self.req_to_token_pool
         forward_batch.token_to_kv_pool = self.kv_pool
         forward_batch.gathered_buffer = self.gathered_buffer
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """Replay a captured graph when the batch fits one, else run eagerly."""
+        self.attach(forward_batch)
+        if self.graph_runner is not None:
+            key = self.graph_runner.key_for(forward_batch)
+            if key is not None:
+                return self.graph_runner.replay(forward_batch, key)
+        return self.forward_eager(forward_batch)
+
+    @torch.inference_mode()
+    def forward_eager(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        self.attach(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)

@@ -1,9 +1,12 @@
 """Triton paged attention (CUDA): decode, extend with cached prefix, tree-masked verify.
 
-`init_forward_metadata` builds, once per forward and entirely on device, the index
+`init_forward_metadata` builds, once per eager forward and entirely on device, the index
 arrays every layer's kernels read. The sizes it needs (batch size, total KV tokens,
-longest query) come from the batch's host-side length lists, never from device reads,
-so a forward can later be captured by CUDA graphs with static buffers of the same shapes.
+longest query) come from the batch's host-side length lists, never from device reads.
+
+Under CUDA graphs, `init_forward_metadata_graph` runs *inside* the captured graph: it reads
+only device tensors and writes the flattened KV indices into one max-size buffer allocated
+by `init_cuda_graph_state`, so every replay rebuilds the metadata of the batch it runs.
 """
 
 from __future__ import annotations
@@ -43,19 +46,41 @@ def _indptr(lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class TritonAttnBackend(AttentionBackend):
     def __init__(self) -> None:
         self.metadata: Optional[TritonAttnMetadata] = None
+        # CUDA graphs: kv_indices of every captured batch (capacity = max bs x table row width).
+        self.graph_kv_indices: Optional[torch.Tensor] = None
+
+    def init_cuda_graph_state(self, max_bs: int, kv_indices_capacity: int, device: torch.device) -> None:
+        self.graph_kv_indices = torch.zeros(kv_indices_capacity, dtype=torch.int64, device=device)
+
+    def init_forward_metadata_graph(self, forward_batch: ForwardBatch, max_extend_len: int) -> None:
+        """Static-shape metadata for a captured forward: every request has max_extend_len
+        query tokens; no host length is read. Needs init_cuda_graph_state first."""
+        fb = forward_batch
+        kv_indptr = _indptr(fb.seq_lens, torch.int32)
+        # Every request's KV fits in one table row, so the capacity bounds kv_indptr[-1].
+        build_kv_indices(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, kv_indptr, self.graph_kv_indices)
+        use_decode = fb.custom_mask is None and max_extend_len == 1
+        self.metadata = self._metadata(fb, kv_indptr, self.graph_kv_indices, max_extend_len, use_decode)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
-        seq_lens, ext_lens = fb.seq_lens, fb.extend_seq_lens
-        kv_indptr = _indptr(seq_lens, torch.int32)
-        kv_indices = torch.empty(sum(fb.seq_lens_cpu), dtype=torch.int64, device=seq_lens.device)
+        kv_indptr = _indptr(fb.seq_lens, torch.int32)
+        kv_indices = torch.empty(sum(fb.seq_lens_cpu), dtype=torch.int64, device=fb.seq_lens.device)
         build_kv_indices(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, kv_indptr, kv_indices)
         use_decode = fb.custom_mask is None and all(e == 1 for e in fb.extend_seq_lens_cpu)
-        self.metadata = TritonAttnMetadata(
+        self.metadata = self._metadata(fb, kv_indptr, kv_indices, max(fb.extend_seq_lens_cpu, default=0), use_decode)
+
+    @staticmethod
+    def _metadata(
+        fb: ForwardBatch, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, max_extend_len: int, use_decode: bool
+    ) -> TritonAttnMetadata:
+        """use_decode: one query token per request and no custom mask."""
+        seq_lens, ext_lens = fb.seq_lens, fb.extend_seq_lens
+        return TritonAttnMetadata(
             qo_indptr=_indptr(ext_lens, torch.int32),
             kv_indptr=kv_indptr,
             kv_indices=kv_indices,
-            max_extend_len=max(fb.extend_seq_lens_cpu, default=0),
+            max_extend_len=max_extend_len,
             use_decode_kernel=use_decode,
             num_kv_splits=num_kv_splits(seq_lens) if use_decode else None,
             mask_indptr=_indptr(ext_lens * seq_lens, torch.int64) if fb.custom_mask is not None else None,

@@ -1,0 +1,276 @@
+"""CUDA graphs for fixed-shape forwards (DESIGN.md §8).
+
+One runner per ModelRunner. A graph is keyed by a frozen `GraphKey` (mode, padded per-rank
+batch size, tokens per request) and replays the attention-metadata build *and* the model
+forward together, reading nothing but the runner's static input buffers, the weights and
+the KV pool. Because the metadata is rebuilt inside every replay, nothing a graph reads at
+replay time lives in the shared memory pool, so all graphs can share one pool safely.
+
+Invariants:
+- every graph reads the same static input buffers; `StaticInputs.load` fills them, padding
+  rows with valid values (token 0, dummy KV slot 0, request row 0, seq_len = extend_len =
+  tokens per request), so a padded row never writes a real request's KV;
+- graphs copy their outputs into static output buffers; `replay` returns fresh copies, so
+  nothing handed to callers aliases memory a later replay overwrites;
+- choosing a graph reads host values only (no device sync).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CUDA_GRAPH_MAX_BS = 256
+# Values of padded rows: token 0 at position 0 writing the dummy KV slot 0 (never allocated)
+# and reading request row 0 (any row holds valid slot numbers; what it reads is discarded).
+PAD_TOKEN_ID = 0
+PAD_KV_SLOT = 0
+PAD_REQ_ROW = 0
+_MIB = 1 << 20
+
+
+@runtime_checkable
+class GraphCapturableBackend(Protocol):
+    """An attention backend whose metadata build can be captured with static shapes."""
+
+    def init_cuda_graph_state(self, max_bs: int, kv_indices_capacity: int, device: torch.device) -> None:
+        """Allocate the max-size buffers every captured metadata build writes into."""
+
+    def init_forward_metadata_graph(self, forward_batch: ForwardBatch, max_extend_len: int) -> None:
+        """Build metadata from device tensors only (no host lengths), into the static buffers."""
+
+
+class CudaGraphCaptureError(RuntimeError):
+    """Capture failed (typically out of memory); the message names the flags that help."""
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """What makes two forwards replayable by the same graph."""
+
+    mode: ForwardMode
+    batch_size: int  # padded requests on this rank
+    tokens_per_req: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch_size * self.tokens_per_req
+
+
+# ---------------------------------------------------------------------- batch sizes
+def default_capture_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_bs (and max_bs itself)."""
+    sizes = [b for b in (1, 2, 4) if b < max_bs] + list(range(8, max_bs + 1, 8))
+    return sorted(set(sizes + [max_bs]))
+
+
+def capture_batch_sizes(
+    cuda_graph_bs: Optional[Sequence[int]], cuda_graph_max_bs: Optional[int], max_running_requests: int
+) -> list[int]:
+    """Per-rank batch sizes to capture, ascending.
+
+    --cuda-graph-bs gives the list (default: `default_capture_sizes(--cuda-graph-max-bs)`);
+    --cuda-graph-max-bs (default 256, or the largest --cuda-graph-bs) caps it. Nothing above
+    the running-request cap is captured; when the cap cuts the list, the cap itself is added
+    so the fullest batch still has a graph.
+    """
+    if cuda_graph_max_bs is None:
+        cuda_graph_max_bs = max(cuda_graph_bs) if cuda_graph_bs else DEFAULT_CUDA_GRAPH_MAX_BS
+    sizes = sorted(set(cuda_graph_bs)) if cuda_graph_bs else default_capture_sizes(cuda_graph_max_bs)
+    limit = min(cuda_graph_max_bs, max_running_requests)
+    kept = [b for b in sizes if b <= limit]
+    if len(kept) < len(sizes) and limit not in kept and limit == max_running_requests:
+        kept.append(limit)
+    return kept
+
+
+def padded_batch_size(batch_size: int, captured: Sequence[int], disable_padding: bool) -> Optional[int]:
+    """The captured size a batch of `batch_size` requests replays, or None (run eagerly).
+
+    `captured` is ascending. With --disable-cuda-graph-padding only exact sizes replay.
+    """
+    if batch_size < 1:
+        return None
+    i = bisect.bisect_left(captured, batch_size)
+    if i == len(captured):
+        return None
+    if disable_padding and captured[i] != batch_size:
+        return None
+    return captured[i]
+
+
+# ---------------------------------------------------------------------- static inputs
+class StaticInputs:
+    """The input buffers every graph reads, sized for the largest key."""
+
+    def __init__(self, max_bs: int, max_tokens_per_req: int, device: torch.device | str):
+        max_tokens = max_bs * max_tokens_per_req
+        i64 = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.full((max_tokens,), PAD_TOKEN_ID, **i64)
+        self.positions = torch.zeros(max_tokens, **i64)
+        self.out_cache_loc = torch.full((max_tokens,), PAD_KV_SLOT, **i64)
+        self.req_pool_indices = torch.full((max_bs,), PAD_REQ_ROW, **i64)
+        self.seq_lens = torch.full((max_bs,), max_tokens_per_req, **i64)
+        self.extend_seq_lens = torch.full((max_bs,), max_tokens_per_req, **i64)
+
+    def load(self, fb: ForwardBatch, key: GraphKey) -> ForwardBatch:
+        """Copy fb into the buffers, pad rows fb.batch_size..key.batch_size, and return the
+        padded batch as a ForwardBatch over the buffers (host lengths padded too)."""
+        bs, n, tpr = fb.batch_size, fb.num_tokens, key.tokens_per_req
+        pad_rows = key.batch_size - bs
+        self.input_ids[:n].copy_(fb.input_ids)
+        self.input_ids[n : key.num_tokens].fill_(PAD_TOKEN_ID)
+        self.positions[:n].copy_(fb.positions)
+        self.positions[n : key.num_tokens].zero_()
+        self.out_cache_loc[:n].copy_(fb.out_cache_loc)
+        self.out_cache_loc[n : key.num_tokens].fill_(PAD_KV_SLOT)
+        self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
+        self.req_pool_indices[bs : key.batch_size].fill_(PAD_REQ_ROW)
+        self.seq_lens[:bs].copy_(fb.seq_lens)
+        self.seq_lens[bs : key.batch_size].fill_(tpr)
+        self.extend_seq_lens[:bs].copy_(fb.extend_seq_lens)
+        self.extend_seq_lens[bs : key.batch_size].fill_(tpr)
+        return replace(
+            self.batch(key),
+            seq_lens_cpu=list(fb.seq_lens_cpu) + [tpr] * pad_rows,
+            extend_seq_lens_cpu=list(fb.extend_seq_lens_cpu) + [tpr] * pad_rows,
+        )
+
+    def batch(self, key: GraphKey) -> ForwardBatch:
+        """The buffers' first rows as the batch a graph of `key` was captured with."""
+        bs, n = key.batch_size, key.num_tokens
+        return ForwardBatch(
+            mode=key.mode,
+            batch_size=bs,
+            input_ids=self.input_ids[:n],
+            positions=self.positions[:n],
+            out_cache_loc=self.out_cache_loc[:n],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            extend_seq_lens=self.extend_seq_lens[:bs],
+            seq_lens_cpu=[key.tokens_per_req] * bs,
+            extend_seq_lens_cpu=[key.tokens_per_req] * bs,
+        )
+
+
+# ---------------------------------------------------------------------- runner
+class CudaGraphRunner:
+    """Captures one graph per key and replays the one a batch fits."""
+
+    def __init__(
+        self,
+        model_runner: "ModelRunner",
+        modes: dict[ForwardMode, int],
+        batch_sizes: Sequence[int],
+        disable_padding: bool,
+    ):
+        """modes: tokens per request of each captured mode; batch_sizes: per-rank sizes."""
+        if not batch_sizes:
+            raise ValueError("no CUDA graph batch sizes to capture")
+        self.model_runner = model_runner
+        self.tokens_per_req = dict(modes)
+        self.batch_sizes = sorted(batch_sizes)
+        self.disable_padding = disable_padding
+        self.keys = [GraphKey(m, b, t) for m, t in modes.items() for b in self.batch_sizes]
+        self.max_bs = self.batch_sizes[-1]
+        self.max_tokens_per_req = max(modes.values())
+        self.inputs = StaticInputs(self.max_bs, self.max_tokens_per_req, model_runner.device)
+        # Graphs bake in this table's address; a batch over a replaced table runs eagerly.
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.out_logits: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------ choice
+    def key_for(self, fb: ForwardBatch) -> Optional[GraphKey]:
+        """The captured key that replays fb, or None. Host values only."""
+        tpr = self.tokens_per_req.get(fb.mode)
+        if tpr is None or fb.batch_size < 1 or fb.num_tokens != fb.batch_size * tpr:
+            return None
+        if (
+            fb.custom_mask is not None
+            or fb.logits_indices is not None
+            or fb.spec_info is not None
+            or fb.capture_hidden_mode != CaptureHiddenMode.NULL
+            or fb.global_num_tokens is not None
+            or fb.req_to_token_pool.req_to_token is not self.req_to_token
+        ):
+            return None
+        bs = padded_batch_size(fb.batch_size, self.batch_sizes, self.disable_padding)
+        return None if bs is None else GraphKey(fb.mode, bs, tpr)
+
+    # ------------------------------------------------------------------ capture
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every key, largest first, into one memory pool; log progress and memory."""
+        runner = self.model_runner
+        device = torch.device(runner.device)
+        runner.attn_backend.init_cuda_graph_state(
+            self.max_bs, self.max_bs * self.req_to_token.shape[1], device
+        )
+        torch.cuda.synchronize(device)
+        free_before = torch.cuda.mem_get_info(device)[0]
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        ordered = sorted(self.keys, key=lambda k: (k.num_tokens, k.batch_size), reverse=True)
+        for i, key in enumerate(ordered):
+            try:
+                self.graphs[key] = self._capture_one(key, pool, stream)
+            except torch.OutOfMemoryError as e:
+                free = torch.cuda.mem_get_info(device)[0]
+                raise CudaGraphCaptureError(
+                    f"Out of GPU memory capturing CUDA graph {key} ({i}/{len(ordered)} done, "
+                    f"{free / _MIB:.0f} MiB free). Lower --cuda-graph-max-bs, lower "
+                    f"--mem-fraction-static, or pass --disable-cuda-graph."
+                ) from e
+            logger.info("Captured CUDA graph %d/%d: %s", i + 1, len(ordered), key)
+        torch.cuda.synchronize(device)
+        used = free_before - torch.cuda.mem_get_info(device)[0]
+        logger.info(
+            "CUDA graphs: %d captured (batch sizes %s, modes %s) in %.1f s, %.0f MiB of GPU memory",
+            len(ordered), self.batch_sizes, [m.name for m in self.tokens_per_req], time.perf_counter() - start,
+            used / _MIB,
+        )
+
+    def _run(self, fb: ForwardBatch, key: GraphKey) -> LogitsProcessorOutput:
+        """The captured work: metadata from device tensors, then the model."""
+        runner = self.model_runner
+        runner.attach(fb)
+        runner.attn_backend.init_forward_metadata_graph(fb, key.tokens_per_req)
+        return runner.model.forward(fb.input_ids, fb.positions, fb)
+
+    def _capture_one(self, key: GraphKey, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+        fb = self.inputs.batch(key)  # padding-only content: a valid batch by construction
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile kernels and create library workspaces outside the capture
+                warm = self._run(fb, key)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self.out_logits is None:  # the first key is the largest
+            rows = self.max_bs * self.max_tokens_per_req
+            self.out_logits = torch.empty((rows, warm.next_token_logits.shape[1]), dtype=torch.float32, device=fb.input_ids.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = self._run(fb, key)
+            self.out_logits[: out.next_token_logits.shape[0]].copy_(out.next_token_logits)
+        return graph
+
+    # ------------------------------------------------------------------ replay
+    def replay(self, fb: ForwardBatch, key: GraphKey) -> LogitsProcessorOutput:
+        """Run fb through the graph of key (from key_for); outputs are fresh tensors."""
+        self.inputs.load(fb, key)
+        self.graphs[key].replay()
+        return LogitsProcessorOutput(next_token_logits=self.out_logits[: fb.num_tokens].clone())

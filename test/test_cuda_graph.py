@@ -1,0 +1,266 @@
+"""CUDA graph runner: batch-size choice, padding, graph-vs-eager choice (CPU), and replay
+equal to eager (CUDA only)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.model_executor.cuda_graph_runner import (
+    PAD_KV_SLOT,
+    CudaGraphCaptureError,
+    CudaGraphRunner,
+    GraphKey,
+    StaticInputs,
+    capture_batch_sizes,
+    default_capture_sizes,
+    padded_batch_size,
+)
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.server_args import ServerArgs
+
+DECODE = ForwardMode.DECODE
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+# ---------------------------------------------------------------------- batch sizes
+def test_default_capture_sizes():
+    assert default_capture_sizes(1) == [1]
+    assert default_capture_sizes(8) == [1, 2, 4, 8]
+    assert default_capture_sizes(12) == [1, 2, 4, 8, 12]
+    assert default_capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert default_capture_sizes(256)[-3:] == [240, 248, 256]
+
+
+@pytest.mark.parametrize(
+    "bs_list, max_bs, max_running, expected",
+    [
+        (None, None, 4096, default_capture_sizes(256)),
+        (None, 32, 4096, [1, 2, 4, 8, 16, 24, 32]),
+        (None, 256, 20, [1, 2, 4, 8, 16, 20]),  # the running-request cap gets its own graph
+        (None, 16, 16, [1, 2, 4, 8, 16]),
+        ([5, 1, 3, 3], None, 100, [1, 3, 5]),  # --cuda-graph-bs alone: max is its largest
+        ([1, 3, 5], 4, 100, [1, 3]),  # --cuda-graph-max-bs caps the list
+        ([1, 3, 5], None, 4, [1, 3, 4]),
+        ([8], None, 4, [4]),  # the fullest batch possible still gets a graph
+    ],
+)
+def test_capture_batch_sizes(bs_list, max_bs, max_running, expected):
+    assert capture_batch_sizes(bs_list, max_bs, max_running) == expected
+
+
+def test_padded_batch_size():
+    captured = [1, 2, 4, 8]
+    assert [padded_batch_size(b, captured, False) for b in range(10)] == [None, 1, 2, 4, 4, 8, 8, 8, 8, None]
+    # --disable-cuda-graph-padding: exact sizes only
+    assert [padded_batch_size(b, captured, True) for b in range(10)] == [None, 1, 2, None, 4, None, None, None, 8, None]
+
+
+# ---------------------------------------------------------------------- static inputs
+def _decode_fb(rows: list[int], seq_lens: list[int], tokens: list[int], slots: list[int]) -> ForwardBatch:
+    t = lambda x: torch.tensor(x, dtype=torch.int64)
+    return ForwardBatch(
+        mode=DECODE,
+        batch_size=len(rows),
+        input_ids=t(tokens),
+        positions=t([s - 1 for s in seq_lens]),
+        out_cache_loc=t(slots),
+        req_pool_indices=t(rows),
+        seq_lens=t(seq_lens),
+        extend_seq_lens=t([1] * len(rows)),
+        seq_lens_cpu=list(seq_lens),
+        extend_seq_lens_cpu=[1] * len(rows),
+    )
+
+
+def test_static_inputs_pad_rows_are_valid():
+    inputs = StaticInputs(max_bs=8, max_tokens_per_req=1, device="cpu")
+    key = GraphKey(DECODE, 4, 1)
+    # A larger batch first leaves stale values that the next load must overwrite.
+    inputs.load(_decode_fb([5, 6, 7, 1, 2], [9, 9, 9, 9, 9], [11] * 5, [40, 41, 42, 43, 44]), GraphKey(DECODE, 8, 1))
+    fb = inputs.load(_decode_fb([3, 7], [10, 4], [17, 23], [33, 34]), key)
+    assert fb.batch_size == 4 and fb.num_tokens == 4
+    assert fb.input_ids.tolist() == [17, 23, 0, 0]
+    assert fb.positions.tolist() == [9, 3, 0, 0]
+    assert fb.out_cache_loc.tolist() == [33, 34, PAD_KV_SLOT, PAD_KV_SLOT]
+    assert fb.req_pool_indices.tolist() == [3, 7, 0, 0]
+    assert fb.seq_lens.tolist() == [10, 4, 1, 1]
+    assert fb.extend_seq_lens.tolist() == [1, 1, 1, 1]
+    assert fb.seq_lens_cpu == [10, 4, 1, 1] and fb.extend_seq_lens_cpu == [1, 1, 1, 1]
+    # The batch views the static buffers (what the graph reads).
+    assert fb.input_ids.data_ptr() == inputs.input_ids.data_ptr()
+
+
+# ---------------------------------------------------------------------- graph-vs-eager choice
+def _runner_stub(table: ReqToTokenPool) -> SimpleNamespace:
+    return SimpleNamespace(device="cpu", req_to_token_pool=table)
+
+
+def _choice(graphs: CudaGraphRunner, fb: ForwardBatch, table: ReqToTokenPool):
+    fb.req_to_token_pool = table
+    return graphs.key_for(fb)
+
+
+def test_key_for_picks_padded_decode_graph_or_eager():
+    table = ReqToTokenPool(16, 64, "cpu")
+    graphs = CudaGraphRunner(_runner_stub(table), {DECODE: 1}, [1, 2, 4], disable_padding=False)
+    fb = lambda n: _decode_fb(list(range(n)), [5] * n, [1] * n, list(range(1, n + 1)))
+    assert _choice(graphs, fb(1), table) == GraphKey(DECODE, 1, 1)
+    assert _choice(graphs, fb(3), table) == GraphKey(DECODE, 4, 1)
+    assert _choice(graphs, fb(5), table) is None  # larger than every graph
+    extend = fb(2)
+    extend.mode = ForwardMode.EXTEND
+    assert _choice(graphs, extend, table) is None
+    masked = fb(2)
+    masked.custom_mask = torch.ones(10, dtype=torch.bool)
+    assert _choice(graphs, masked, table) is None
+    hidden = fb(2)
+    hidden.capture_hidden_mode = CaptureHiddenMode.LAST
+    assert _choice(graphs, hidden, table) is None
+    dp = fb(2)
+    dp.global_num_tokens = [2, 0]
+    assert _choice(graphs, dp, table) is None
+    # A table replaced after capture (graphs hold the old address): eager.
+    assert _choice(graphs, fb(2), ReqToTokenPool(16, 128, "cpu")) is None
+    exact = CudaGraphRunner(_runner_stub(table), {DECODE: 1}, [1, 2, 4], disable_padding=True)
+    assert _choice(exact, fb(3), table) is None
+    assert _choice(exact, fb(4), table) == GraphKey(DECODE, 4, 1)
+
+
+# ---------------------------------------------------------------------- padded batches through a model
+def make_runner(path: str, device: str, dtype: str, **args) -> ModelRunner:
+    server_args = ServerArgs(
+        model_path=path, device=device, dtype=dtype, max_total_tokens=2048, max_running_requests=16, **args
+    )
+    return ModelRunner(ModelConfig(path, dtype=dtype, device=device), server_args, gpu_id=0)
+
+
+class HandDriver:
+    """Requests driven through a ModelRunner by hand: one prefill, then decode batches."""
+
+    def __init__(self, runner: ModelRunner, prompts: list[list[int]]):
+        self.runner, self.device = runner, runner.device
+        self.rows = [runner.req_to_token_pool.alloc() for _ in prompts]
+        self.seqs = [list(p) for p in prompts]
+        slots = runner.token_allocator.alloc(sum(map(len, prompts)))
+        t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)
+        start = 0
+        for row, p in zip(self.rows, prompts):
+            runner.req_to_token_pool.write(row, 0, slots[start : start + len(p)])
+            start += len(p)
+        lens = [len(p) for p in prompts]
+        fb = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            batch_size=len(prompts),
+            input_ids=t(sum(prompts, [])),
+            positions=t([i for n in lens for i in range(n)]),
+            out_cache_loc=slots,
+            req_pool_indices=t(self.rows),
+            seq_lens=t(lens),
+            extend_seq_lens=t(lens),
+            seq_lens_cpu=lens,
+            extend_seq_lens_cpu=list(lens),
+        )
+        self.next_tokens = runner.forward_eager(fb).next_token_logits.argmax(-1).tolist()
+
+    def decode_batch(self) -> ForwardBatch:
+        """Feed each request its last sampled token (a fresh KV slot each)."""
+        for s, tok in zip(self.seqs, self.next_tokens):
+            s.append(tok)
+        slots = self.runner.token_allocator.alloc(len(self.rows))
+        for row, s, slot in zip(self.rows, self.seqs, slots):
+            self.runner.req_to_token_pool.write(row, len(s) - 1, slot.view(1))
+        fb = _decode_fb(self.rows, [len(s) for s in self.seqs], self.next_tokens, slots.tolist())
+        for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "extend_seq_lens"):
+            setattr(fb, name, getattr(fb, name).to(self.device))
+        return fb
+
+
+PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8], [11, 4, 6, 1, 9, 2, 10]]
+
+
+def _kv_buffers(runner: ModelRunner) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for i in range(runner.num_kv_layers):
+        kv = runner.kv_pool.get_kv_buffer(i)
+        out += list(kv) if isinstance(kv, tuple) else [kv]
+    return out
+
+
+def _kv_snapshot(runner: ModelRunner) -> list[torch.Tensor]:
+    return [t.clone() for t in _kv_buffers(runner)]
+
+
+def _kv_restore(runner: ModelRunner, snapshot: list[torch.Tensor]) -> None:
+    for buf, saved in zip(_kv_buffers(runner), snapshot):
+        buf.copy_(saved)
+
+
+def test_padded_decode_batch_matches_unpadded_eager(tiny_llama_dir):
+    """The rows StaticInputs adds change neither the real rows' logits nor any real KV slot."""
+    runner = make_runner(tiny_llama_dir, "cpu", "float32")
+    assert runner.graph_runner is None  # graphs are off on CPU
+    driver = HandDriver(runner, PROMPTS)
+    fb = driver.decode_batch()
+    before = _kv_snapshot(runner)
+    eager = runner.forward_eager(fb).next_token_logits
+    after_eager = _kv_snapshot(runner)
+    _kv_restore(runner, before)
+    padded = StaticInputs(8, 1, "cpu").load(fb, GraphKey(DECODE, 8, 1))
+    logits = runner.forward_eager(padded).next_token_logits
+    assert logits.shape[0] == 8
+    torch.testing.assert_close(logits[:3], eager, rtol=1e-5, atol=1e-5)
+    written = fb.out_cache_loc
+    untouched = torch.ones(before[0].shape[0], dtype=torch.bool)
+    untouched[written] = False
+    untouched[PAD_KV_SLOT] = False
+    for got, old, want in zip(_kv_snapshot(runner), before, after_eager):
+        assert torch.equal(got[untouched], old[untouched])  # padded rows wrote only the dummy slot
+        torch.testing.assert_close(got[written], want[written], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- CUDA: replay equals eager
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_replay_matches_eager(tiny_llama_dir, dtype):
+    runner = make_runner(tiny_llama_dir, "cuda", dtype, cuda_graph_bs=[1, 2, 4])
+    graphs = runner.graph_runner
+    assert graphs is not None and sorted(k.batch_size for k in graphs.graphs) == [1, 2, 4]
+    driver = HandDriver(runner, PROMPTS)
+    for _ in range(6):
+        fb = driver.decode_batch()
+        key = graphs.key_for(fb)
+        assert key == GraphKey(DECODE, 4, 1)
+        before = _kv_snapshot(runner)
+        eager = runner.forward_eager(fb).next_token_logits
+        _kv_restore(runner, before)
+        out = runner.forward(fb).next_token_logits
+        assert out.shape == eager.shape
+        tol = 1e-4 if dtype == "float32" else 2e-2
+        torch.testing.assert_close(out, eager, rtol=tol, atol=tol)
+        assert out.argmax(-1).tolist() == eager.argmax(-1).tolist()
+        driver.next_tokens = out.argmax(-1).tolist()
+    # Returned logits are copies: a later replay does not change them.
+    kept = out.clone()
+    runner.forward(driver.decode_batch())
+    assert torch.equal(out, kept)
+
+
+@needs_cuda
+def test_capture_out_of_memory_is_a_clear_error(tiny_llama_dir, monkeypatch):
+    def oom(*_args, **_kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(CudaGraphRunner, "_capture_one", oom)
+    with pytest.raises(CudaGraphCaptureError, match="--cuda-graph-max-bs"):
+        make_runner(tiny_llama_dir, "cuda", "float32", cuda_graph_bs=[1, 2])
+
+
+@needs_cuda
+def test_disable_cuda_graph_flag(tiny_llama_dir):
+    assert make_runner(tiny_llama_dir, "cuda", "float32", disable_cuda_graph=True).graph_runner is None
