@@ -3,6 +3,9 @@ equal to eager (CUDA only)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +26,7 @@ from sglang.srt.model_executor.cuda_graph_runner import (
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
+from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
 
 DECODE = ForwardMode.DECODE
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -224,16 +228,64 @@ def test_padded_decode_batch_matches_unpadded_eager(tiny_llama_dir):
         torch.testing.assert_close(got[written], want[written], rtol=1e-5, atol=1e-5)
 
 
+# ---------------------------------------------------------------------- the captured work, run eagerly
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or INTERPRETED, reason="CPU only; spawns the interpreter run")
+def test_captured_work_under_triton_interpreter():
+    """On CPU, run the test below in a fresh TRITON_INTERPRET=1 process (see test_triton_kernels)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", __file__, "-k", "captured_work_matches"],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETED), reason="needs compiled or interpreted Triton")
+def test_captured_work_matches_eager_triton(tiny_llama_dir):
+    """What a graph captures (static padded inputs, metadata built from device tensors into
+    the max-size kv index buffer, the model) gives eager Triton's logits on the real rows."""
+    if INTERPRETED:
+        import test_triton_kernels  # noqa: F401  (patches the interpreter for NumPy >= 2.4)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    runner = make_runner(tiny_llama_dir, device, "float32", attention_backend="triton", disable_cuda_graph=True)
+    graphs = CudaGraphRunner(runner, {DECODE: 1}, [1, 2, 4], disable_padding=False)
+    width = runner.req_to_token_pool.req_to_token.shape[1]
+    runner.attn_backend.init_cuda_graph_state(4, 4 * width, torch.device(device))
+    driver = HandDriver(runner, PROMPTS)
+    for _ in range(2):
+        fb = driver.decode_batch()
+        runner.attach(fb)
+        key = graphs.key_for(fb)
+        before = _kv_snapshot(runner)
+        eager = runner.forward_eager(fb).next_token_logits
+        _kv_restore(runner, before)
+        graphs.inputs.load(fb, key)
+        out = graphs._run(graphs.inputs.batch(key), key).next_token_logits
+        torch.testing.assert_close(out[:3], eager, rtol=1e-4, atol=1e-4)
+        driver.next_tokens = eager.argmax(-1).tolist()
+
+
 # ---------------------------------------------------------------------- CUDA: replay equals eager
+@pytest.fixture(scope="module")
+def tiny_dsv3_dir(tmp_path_factory) -> str:
+    return make_tiny_deepseek_v3(str(tmp_path_factory.mktemp("tiny_dsv3")), with_mtp=False)
+
+
 @needs_cuda
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_dsv3_dir"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graph_replay_matches_eager(tiny_llama_dir, dtype):
-    runner = make_runner(tiny_llama_dir, "cuda", dtype, cuda_graph_bs=[1, 2, 4])
+def test_graph_replay_matches_eager(request, model, dtype):
+    """Three requests replay the padded batch-4 graph; logits match eager on the same KV."""
+    runner = make_runner(request.getfixturevalue(model), "cuda", dtype, cuda_graph_bs=[1, 2, 4])
     graphs = runner.graph_runner
     assert graphs is not None and sorted(k.batch_size for k in graphs.graphs) == [1, 2, 4]
     driver = HandDriver(runner, PROMPTS)
     for _ in range(6):
         fb = driver.decode_batch()
+        runner.attach(fb)
         key = graphs.key_for(fb)
         assert key == GraphKey(DECODE, 4, 1)
         before = _kv_snapshot(runner)
