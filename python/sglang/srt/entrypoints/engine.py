@@ -12,7 +12,6 @@ import atexit
 import dataclasses
 import logging
 import multiprocessing as mp
-import os
 import shutil
 import threading
 from multiprocessing.connection import Connection, wait

@@ -6,7 +6,9 @@ request. Invariants:
 - a request is fully validated (and tokenized) before anything is sent, so nothing
   malformed reaches the scheduler;
 - every request that leaves `generate_request` unfinished (client gone, task cancelled,
-  generator closed) is aborted on the scheduler side, freeing its KV at once;
+  generator closed) is aborted on the scheduler side, freeing its KV at once; every
+  wrapper that re-yields outputs closes what it wraps (contextlib.aclosing) so that a
+  close reaches the request now, not at garbage collection;
 - outputs are cumulative snapshots (text, ids, logprobs so far), so a consumer that
   misses an intermediate snapshot loses nothing.
 """
@@ -14,6 +16,7 @@ request. Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -147,8 +150,9 @@ def hold_back_partial_stop(text: str, stops: list[str]) -> str:
 async def final_output(outputs: AsyncIterator[Any]) -> Any:
     """The last item of `outputs` (None if the client went away before the end)."""
     last = None
-    async for last in outputs:
-        pass
+    async with contextlib.aclosing(outputs):
+        async for last in outputs:
+            pass
     return last
 
 
@@ -156,13 +160,14 @@ async def incremental_outputs(outputs: AsyncIterator[dict[str, Any]]) -> AsyncIt
     """Turn cumulative snapshots into deltas (--stream-output): only the new text, ids and
     logprobs of each chunk."""
     sent_text = sent_ids = 0
-    async for out in outputs:
-        meta = dict(out["meta_info"])
-        for key in ("output_token_logprobs", "output_top_logprobs"):
-            if key in meta:
-                meta[key] = meta[key][sent_ids:]
-        yield {"text": out["text"][sent_text:], "output_ids": out["output_ids"][sent_ids:], "meta_info": meta}
-        sent_text, sent_ids = len(out["text"]), len(out["output_ids"])
+    async with contextlib.aclosing(outputs):
+        async for out in outputs:
+            meta = dict(out["meta_info"])
+            for key in ("output_token_logprobs", "output_top_logprobs"):
+                if key in meta:
+                    meta[key] = meta[key][sent_ids:]
+            yield {"text": out["text"][sent_text:], "output_ids": out["output_ids"][sent_ids:], "meta_info": meta}
+            sent_text, sent_ids = len(out["text"]), len(out["output_ids"])
 
 
 class TokenizerManager:
@@ -213,8 +218,10 @@ class TokenizerManager:
         if len(set(t.rid for t in tokenized)) != len(tokenized):
             raise RequestError("Duplicate rid in the batch")
         if not obj.is_batch:
-            async for out in self._run_one(tokenized[0], singles[0], request):
-                yield out
+            # aclosing: closing this generator must close (and so abort) the request at once.
+            async with contextlib.aclosing(self._run_one(tokenized[0], singles[0], request)) as outputs:
+                async for out in outputs:
+                    yield out
             return
         results = await asyncio.gather(*(final_output(self._run_one(t, o, request)) for t, o in zip(tokenized, singles)))
         yield list(results)

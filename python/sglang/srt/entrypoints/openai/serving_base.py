@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from typing import Any, AsyncIterator, Optional
@@ -26,8 +27,9 @@ def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 
     async def body() -> AsyncIterator[str]:
         try:
-            async for chunk in chunks:
-                yield sse(chunk)
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield sse(chunk)
         except RequestError as e:
             yield sse(error_body(str(e), e.status_code))
         yield "data: [DONE]\n\n"
@@ -41,9 +43,10 @@ async def start_stream(outputs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[
     first = await outputs.__anext__()
 
     async def rest() -> AsyncIterator[dict[str, Any]]:
-        yield first
-        async for out in outputs:
-            yield out
+        async with contextlib.aclosing(outputs):
+            yield first
+            async for out in outputs:
+                yield out
 
     return rest()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -107,26 +108,27 @@ class OpenAIServingChat(OpenAIServingBase):
             c = ChatCompletionChunk(id=rid, created=created, model=request.model, choices=[choice] if choice else [], **extra)
             return c.model_dump()
 
-        yield chunk(ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content="")))
         sent_text, sent_tokens = 0, 0
         last: Optional[dict] = None
-        async for out in outputs:
-            last = out
-            meta = out["meta_info"]
-            reason, matched = finish_reason(meta)
-            delta = out["text"][sent_text:]
-            if not delta and reason is None:
-                continue
-            logprobs = self._logprobs(meta, sent_tokens) if request.logprobs else None
-            sent_text, sent_tokens = len(out["text"]), len(meta.get("output_token_logprobs", []))
-            yield chunk(
-                ChatStreamChoice(
-                    index=0,
-                    delta=DeltaMessage(content=delta),
-                    logprobs=logprobs,
-                    finish_reason=reason,
-                    matched_stop=matched,
+        async with contextlib.aclosing(outputs):  # closing the stream aborts the request
+            yield chunk(ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content="")))
+            async for out in outputs:
+                last = out
+                meta = out["meta_info"]
+                reason, matched = finish_reason(meta)
+                delta = out["text"][sent_text:]
+                if not delta and reason is None:
+                    continue
+                logprobs = self._logprobs(meta, sent_tokens) if request.logprobs else None
+                sent_text, sent_tokens = len(out["text"]), len(meta.get("output_token_logprobs", []))
+                yield chunk(
+                    ChatStreamChoice(
+                        index=0,
+                        delta=DeltaMessage(content=delta),
+                        logprobs=logprobs,
+                        finish_reason=reason,
+                        matched_stop=matched,
+                    )
                 )
-            )
-        if request.include_usage and last is not None:
-            yield chunk(None, usage=usage([last]))
+            if request.include_usage and last is not None:
+                yield chunk(None, usage=usage([last]))

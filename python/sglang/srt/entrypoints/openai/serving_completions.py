@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -94,27 +95,28 @@ class OpenAIServingCompletion(OpenAIServingBase):
         sent_text, sent_tokens = 0, 0
         echo = pending_echo = self._echo_prefix(request, 0)
         last: Optional[dict] = None
-        async for out in outputs:
-            last = out
-            meta = out["meta_info"]
-            reason, matched = finish_reason(meta)
-            delta = pending_echo + out["text"][sent_text:]
-            n_tokens = len(meta.get("output_token_logprobs", []))
-            if not delta and reason is None:
-                continue  # nothing new to say (e.g. an incomplete UTF-8 character)
-            pending_echo = ""
-            logprobs = None
-            if request.logprobs is not None:
-                logprobs = self._logprobs(meta, sent_tokens, len(echo) + sent_text).model_dump()
-            sent_text, sent_tokens = len(out["text"]), n_tokens
-            choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": reason, "matched_stop": matched}
-            yield {"id": rid, "object": "text_completion", "created": created, "model": request.model, "choices": [choice]}
-        if request.include_usage and last is not None:
-            yield {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": request.model,
-                "choices": [],
-                "usage": usage([last]).model_dump(),
-            }
+        async with contextlib.aclosing(outputs):  # closing the stream aborts the request
+            async for out in outputs:
+                last = out
+                meta = out["meta_info"]
+                reason, matched = finish_reason(meta)
+                delta = pending_echo + out["text"][sent_text:]
+                n_tokens = len(meta.get("output_token_logprobs", []))
+                if not delta and reason is None:
+                    continue  # nothing new to say (e.g. an incomplete UTF-8 character)
+                pending_echo = ""
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self._logprobs(meta, sent_tokens, len(echo) + sent_text).model_dump()
+                sent_text, sent_tokens = len(out["text"]), n_tokens
+                choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": reason, "matched_stop": matched}
+                yield {"id": rid, "object": "text_completion", "created": created, "model": request.model, "choices": [choice]}
+            if request.include_usage and last is not None:
+                yield {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": request.model,
+                    "choices": [],
+                    "usage": usage([last]).model_dump(),
+                }
