@@ -168,6 +168,19 @@ def test_zz_sigterm_leaves_no_processes(server):
     assert wait_until_gone(children) == []
 
 
+def test_scheduler_death_shuts_the_server_down(tiny_llama_dir):
+    proc = popen_launch_server(tiny_llama_dir, ["--device", "cpu"])
+    try:
+        children = descendant_pids(proc.pid)
+        info = requests.get(proc.base_url + "/get_server_info", timeout=60).json()
+        os.kill(info["internal_states"][0]["pid"], signal.SIGKILL)
+        assert proc.wait(30) != 0
+        assert "exited unexpectedly" in proc.log_tail()
+        assert wait_until_gone(children) == []
+    finally:
+        kill_server(proc)
+
+
 # ---------------------------------------------------------------------- SmolLM2
 @pytest.fixture(scope="module")
 def smollm2_server():

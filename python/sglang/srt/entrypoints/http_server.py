@@ -151,7 +151,8 @@ def _install_guards(app: FastAPI, server_args: ServerArgs) -> None:
 
 
 def launch_server(server_args: ServerArgs) -> None:
-    """Start the subprocesses and serve HTTP until SIGINT/SIGTERM; leave no process behind."""
+    """Start the subprocesses and serve HTTP until SIGINT/SIGTERM; leave no process behind.
+    Raises RuntimeError if it stopped because a subprocess died."""
     from sglang.srt.entrypoints.engine import _launch_subprocesses
 
     tokenizer_manager, scheduler_info, subprocesses = _launch_subprocesses(server_args)
@@ -178,6 +179,8 @@ def launch_server(server_args: ServerArgs) -> None:
     finally:
         subprocesses.shutdown()
         tokenizer_manager.close()
+    if tokenizer_manager.dead_reason is not None:
+        raise RuntimeError(tokenizer_manager.dead_reason)
 
 
 def _warm_up_and_announce(server: uvicorn.Server, server_args: ServerArgs) -> None:

@@ -338,6 +338,7 @@ class TokenizerManager:
 
     def close(self) -> None:
         """Release the sockets; call when the loop is not running (after serving)."""
+        self.rid_to_state.clear()  # requests finalized later must not send on closed sockets
         task, loop = self._handle_task, self._loop
         if task is not None and not task.done() and not loop.is_closed() and not loop.is_running():
             task.cancel()
