@@ -87,6 +87,7 @@ class ServerArgs:
     log_requests: bool = field(default=False, metadata=_arg("Log the metadata of every request."))
     enable_metrics: bool = field(default=False, metadata=_arg("Serve Prometheus metrics at /metrics."))
     random_seed: Optional[int] = field(default=None, metadata=_arg("Seed for weight init (dummy) and sampling."))
+    decode_log_interval: int = field(default=40, metadata=_arg("Log a decode line every this many decode steps."))
     debug_collectives: bool = field(default=False, metadata=_arg("Check every step that all ranks agree on the batch plan."))
 
     def __post_init__(self) -> None:
@@ -230,8 +231,6 @@ _NOT_SUPPORTED_YET.extend(
         (lambda a: a.nnodes > 1 and a.dp_size > 1 and not a.enable_dp_attention,
          "--dp-size replicas across --nnodes > 1 are not supported yet (use --enable-dp-attention)"),
         (lambda a: a.speculative_algorithm == "EAGLE3", "--speculative-algorithm EAGLE3 is not supported yet; use EAGLE or NEXTN"),
-        (lambda a: a.speculative_algorithm is not None and a.enable_dp_attention,
-         "--speculative-algorithm with --enable-dp-attention is not supported yet"),
     ]
 )
 

@@ -15,7 +15,13 @@ import zmq
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import initialize_model_parallel
-from sglang.srt.distributed.scheduler_comm import LocalPlan, SchedulerComm, init_distributed
+from sglang.srt.distributed.scheduler_comm import (
+    CollectiveMismatch,
+    GlobalPlan,
+    LocalPlan,
+    SchedulerComm,
+    init_distributed,
+)
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -37,7 +43,6 @@ from sglang.srt.utils.hf_transformers_utils import get_tokenizer, resolve_model_
 
 logger = logging.getLogger(__name__)
 
-DECODE_LOG_INTERVAL = 40
 _IDLE_POLL_MS = 100
 
 
@@ -75,10 +80,11 @@ class Scheduler:
         self.kv = ReqKVManager(self.req_to_token_pool, self.allocator, self.tree_cache)
         target.kv = self.kv
         self.worker = target
+        self.spec_worker = None
         if server_args.speculative_algorithm is not None:
             from sglang.srt.speculative.eagle_worker import EAGLEWorker
 
-            self.worker = EAGLEWorker(server_args, target, gpu_id, tp_rank)
+            self.worker = self.spec_worker = EAGLEWorker(server_args, target, gpu_id, tp_rank)
         # Under DP attention prefill is always chunked so that it fits the gathered buffer.
         no_chunking = server_args.chunked_prefill_size == -1 and not server_args.enable_dp_attention
         self.chunk_size = None if no_chunking else runner.prefill_token_budget()
@@ -130,15 +136,18 @@ class Scheduler:
     # ------------------------------------------------------------------ loop
     def event_loop(self) -> None:
         while True:
-            self.iterations += 1
-            has_work = bool(self.waiting or self.running or self.chunked_req)
-            for msg in self.comm.broadcast_requests(self.recv_requests(block=not has_work and self.globally_idle)):
-                self.handle_message(msg)
-            batch = self.get_next_batch()
-            if self.comm.dp_attention:
-                batch = self.agree_on_plan(batch)
-            if batch is not None:
-                self.run_and_process(batch)
+            self.run_iteration()
+
+    def run_iteration(self) -> None:
+        self.iterations += 1
+        has_work = bool(self.waiting or self.running or self.chunked_req)
+        for msg in self.comm.broadcast_requests(self.recv_requests(block=not has_work and self.globally_idle)):
+            self.handle_message(msg)
+        batch, plan = self.get_next_batch(), None
+        if self.comm.dp_attention:
+            batch, plan = self.agree_on_plan(batch)
+        if batch is not None:
+            self.run_and_process(batch, plan)
 
     def recv_requests(self, block: bool) -> list:
         """Drain the entry rank's socket (waiting briefly when there is nothing to do)."""
@@ -151,8 +160,9 @@ class Scheduler:
             except zmq.ZMQError:
                 return msgs
 
-    def agree_on_plan(self, batch: Optional[ScheduleBatch]) -> Optional[ScheduleBatch]:
-        """The one all-gather of the iteration: every rank learns every DP rank's token count.
+    def agree_on_plan(self, batch: Optional[ScheduleBatch]) -> tuple[Optional[ScheduleBatch], Optional[GlobalPlan]]:
+        """The one all-gather of the iteration: every rank learns every DP rank's token count
+        (and, with speculation, the phases and sizes of every sub-forward, see spec_plan.py).
         A rank without work runs an IDLE batch so that each collective is issued everywhere."""
         self.forward_started_at = time.monotonic()
         local = LocalPlan(
@@ -164,15 +174,17 @@ class Scheduler:
         self.forward_started_at = None
         self.globally_idle = plan.all_idle
         if plan.all_idle:
-            return None
+            return None, None
         batch = batch or ScheduleBatch.idle()
         batch.global_num_tokens = plan.global_num_tokens
         if self.server_args.debug_collectives:
+            descriptor = {"global_num_tokens": plan.global_num_tokens, "cuda_graph": False}
+            if self.spec_worker is not None:
+                descriptor["sub_forwards"] = self.spec_worker.planned_sub_forwards(plan)
             self.comm.check_agreement(
-                {"global_num_tokens": plan.global_num_tokens, "cuda_graph": False},
-                {"mode": int(batch.mode), "input_ids": batch.input_ids, "seq_lens": batch.seq_lens},
+                descriptor, {"mode": int(batch.mode), "input_ids": batch.input_ids, "seq_lens": batch.seq_lens}
             )
-        return batch
+        return batch, plan
 
     def handle_message(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReqInput):
@@ -282,9 +294,14 @@ class Scheduler:
         self.waiting.insert(0, req)
 
     # ------------------------------------------------------------------ run
-    def run_and_process(self, batch: ScheduleBatch) -> None:
+    def run_and_process(self, batch: ScheduleBatch, plan: Optional[GlobalPlan] = None) -> None:
         self.forward_started_at = time.monotonic()
-        result = self.worker.forward_batch_generation(batch)
+        if self.spec_worker is not None:
+            result = self.spec_worker.forward_batch_generation(batch, plan)
+            if plan is not None and self.server_args.debug_collectives:
+                self.check_sub_forwards(plan)
+        else:
+            result = self.worker.forward_batch_generation(batch)
         self.forward_started_at = None
         for i, req in enumerate(batch.reqs):
             req.kv_len += result.kv_written[i]
@@ -292,12 +309,24 @@ class Scheduler:
         if batch.mode == ForwardMode.EXTEND:
             self.log_prefill(batch)
             self.running += [r for r in batch.reqs if r.output_ids and r is not self.chunked_req and not r.finished and r not in self.running]
-        else:
+        elif batch.mode == ForwardMode.DECODE:
             self.log_decode(batch, result)
         for req in batch.reqs:
             if req.finished:
                 self.finish(req)
         self.stream_output([r for r in batch.reqs if r.finished or (r.stream and r is not self.chunked_req)])
+
+    def check_sub_forwards(self, plan: GlobalPlan) -> None:
+        """--debug-collectives: the speculative sub-forwards this rank ran are exactly the planned
+        ones (kinds, every DP rank's rows), and its own rows match its entry."""
+        planned = self.spec_worker.planned_sub_forwards(plan)
+        ran = [(kind, rows) for kind, rows, _ in self.spec_worker.trace]
+        own = [local == rows[self.dp_rank] for _, rows, local in self.spec_worker.trace]
+        if ran != planned or not all(own):
+            raise CollectiveMismatch(
+                f"--debug-collectives: DP{self.dp_rank} TP{self.tp_rank} ran sub-forwards {self.spec_worker.trace}, "
+                f"planned {planned}"
+            )
 
     def append_tokens(self, req: Req, result: GenerationResult, i: int) -> None:
         """Append the step's tokens one by one, stopping at the first stop condition."""
@@ -377,7 +406,7 @@ class Scheduler:
 
     def log_decode(self, batch: ScheduleBatch, result: GenerationResult) -> None:
         self.decode_steps += 1
-        if self.decode_steps % DECODE_LOG_INTERVAL:
+        if self.decode_steps % self.server_args.decode_log_interval:
             return
         now = time.monotonic()
         self.last_gen_throughput = self.num_generated_since_log / max(now - self.last_log_time, 1e-6)

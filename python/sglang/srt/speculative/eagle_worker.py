@@ -8,7 +8,13 @@ with seq_len L (target and draft KV at positions 0..L-2, last token x_{L-1} not 
      (tree mask), positions L-1 + depth;
   3. accept: walk the tree (greedy or lossless sampling), emit accepted tokens + one bonus;
      move the accepted nodes' KV slots to positions L-1.. and free the rest;
-  4. draft extend on the emitted tokens with the target hidden states of the nodes before them.
+  4. draft extend on the emitted tokens with the target hidden states of the nodes before them,
+     padded to steps + 1 rows per request (pads write the dummy KV slot 0; logits are taken at
+     each request's last real row).
+Under DP attention every rank runs the same sub-forward sequence with the same per-rank rows,
+derived from the iteration's plan all-gather (spec_plan.py); a rank without work in a phase
+runs zero-row (IDLE) sub-forwards. Hidden states handed from one sub-forward to the next are
+fresh tensors, never views of the gathered buffer (which the next collective overwrites).
 The draft model shares the target's request->token table and slot allocator, with its own
 KV pool: draft position j holds the draft's KV for token j+1 at the target's slot of position j.
 """
@@ -22,6 +28,7 @@ from typing import Optional
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.scheduler_comm import GlobalPlan
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.sampler import Sampler, SamplingBatchInfo
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -32,10 +39,13 @@ from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.eagle_utils import VerifyTree, build_verify_tree, select_step_inputs, walk_tree
 from sglang.srt.speculative.spec_info import DraftState, SpecInput
+from sglang.srt.speculative.spec_plan import SpecIterationPlan, SpecSizes, SubForward
 
 logger = logging.getLogger(__name__)
 
 NEXTN_ARCHITECTURE = "DeepseekV3ForCausalLMNextN"
+_TARGET_SUB_FORWARDS = (SubForward.TARGET_EXTEND, SubForward.TARGET_VERIFY)
+_DUMMY_SLOT = 0  # TokenToKVPoolAllocator never hands out slot 0
 
 
 def draft_model_config(server_args: ServerArgs) -> ModelConfig:
@@ -69,7 +79,9 @@ class EAGLEWorker:
         self.steps = server_args.speculative_num_steps
         self.topk = server_args.speculative_eagle_topk
         self.num_draft = server_args.speculative_num_draft_tokens
+        self.sizes = SpecSizes(self.steps, self.topk, self.num_draft)
         target_runner = target_worker.runner
+        self.hidden_size = target_runner.model_config.hidden_size
         self.req_to_token_pool = target_runner.req_to_token_pool
         self.draft_runner = ModelRunner(
             draft_model_config(server_args),
@@ -79,13 +91,16 @@ class EAGLEWorker:
             server_args.tp_size,
             req_to_token_pool=self.req_to_token_pool,
             token_allocator=target_runner.token_allocator,
+            gathered_buffer=target_runner.gathered_buffer,
         )
         self.draft_runner.model.set_embed_and_head(*target_runner.model.get_embed_and_head())
         context_len = target_runner.model_config.context_len
         # Positions past the context are never emitted (the request stops first); clamp them.
         self.max_position = context_len - 1
-        _widen_rows(self.req_to_token_pool, context_len + self.decode_kv_need_per_req())
+        _widen_rows(self.req_to_token_pool, context_len + max(self.decode_kv_need_per_req(), self.sizes.draft_extend_rows))
         self.states: dict[str, DraftState] = {}
+        # Sub-forwards of the latest iteration: (kind, rows of every DP rank, local rows).
+        self.trace: list[tuple[str, Optional[tuple[int, ...]], int]] = []
         logger.info(
             "Speculative decoding: %s, steps %d, topk %d, draft tokens %d",
             server_args.speculative_algorithm, self.steps, self.topk, self.num_draft,
@@ -103,16 +118,68 @@ class EAGLEWorker:
         self.target.remove_request(req)
         self.states.pop(req.rid, None)
 
-    def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationResult:
-        if batch.mode == ForwardMode.EXTEND:
-            return self.forward_extend(batch)
-        return self.forward_decode(batch)
+    def forward_batch_generation(self, batch: ScheduleBatch, plan: Optional[GlobalPlan] = None) -> GenerationResult:
+        """Runs this iteration's phases (DP attention: those of every DP rank, from `plan`);
+        the batch's own phase does real work, the others run zero-row sub-forwards."""
+        if plan is None:
+            it = SpecIterationPlan.local(batch.mode, len(batch.input_ids), len(batch.reqs), self.sizes)
+        else:
+            it = SpecIterationPlan.from_global(plan, self.sizes)
+        self.trace = []
+        result = GenerationResult([], [])
+        if it.extend_tokens is not None:
+            if batch.mode == ForwardMode.EXTEND:
+                result = self.forward_extend(batch, it)
+            else:
+                self._idle(it, [SubForward.TARGET_EXTEND, SubForward.DRAFT_EXTEND_PREFILL])
+        if it.decode_reqs is not None:
+            if batch.mode == ForwardMode.DECODE:
+                result = self.forward_decode(batch, it)
+            else:
+                self._idle(it, [k for k in it.sub_forwards() if k not in (SubForward.TARGET_EXTEND, SubForward.DRAFT_EXTEND_PREFILL)])
+        return result
+
+    def planned_sub_forwards(self, plan: GlobalPlan) -> list[tuple[str, tuple[int, ...]]]:
+        """(kind, rows of every DP rank) of each sub-forward an iteration with this plan runs."""
+        it = SpecIterationPlan.from_global(plan, self.sizes)
+        return [(kind.value, it.rows(kind)) for kind in it.sub_forwards()]
+
+    def _forward(self, runner: ModelRunner, fb: ForwardBatch, kind: SubForward, it: SpecIterationPlan) -> LogitsProcessorOutput:
+        """Every sub-forward goes through here: sets its DP sizes and records it."""
+        fb.global_num_tokens = it.global_num_tokens(kind)
+        buffer = runner.gathered_buffer
+        if fb.spec_info is not None and buffer is not None and fb.num_tokens:
+            # Invariant: a hidden state handed to the draft is never a view of the gathered buffer.
+            assert fb.spec_info.hidden_states.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+        rows = tuple(fb.global_num_tokens) if fb.global_num_tokens is not None else None
+        self.trace.append((kind.value, rows, fb.num_tokens))
+        return runner.forward(fb)
+
+    def _idle(self, it: SpecIterationPlan, kinds: list[SubForward]) -> None:
+        """Zero-row sub-forwards: this rank has no work in the phase but joins its collectives."""
+        for kind in kinds:
+            target = kind in _TARGET_SUB_FORWARDS
+            runner = self.target.runner if target else self.draft_runner
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            hidden = torch.empty((0, self.hidden_size), dtype=runner.dtype, device=self.device)
+            fb = ForwardBatch(
+                mode=ForwardMode.IDLE,
+                batch_size=0,
+                input_ids=empty,
+                positions=empty,
+                out_cache_loc=empty,
+                req_pool_indices=empty,
+                seq_lens=empty,
+                extend_seq_lens=empty,
+                spec_info=None if target else SpecInput(hidden),
+            )
+            self._forward(runner, fb, kind, it)
 
     # ------------------------------------------------------------------ prefill
-    def forward_extend(self, batch: ScheduleBatch) -> GenerationResult:
+    def forward_extend(self, batch: ScheduleBatch, it: SpecIterationPlan) -> GenerationResult:
         fb = batch.to_forward_batch(self.device)
         fb.capture_hidden_mode = CaptureHiddenMode.FULL
-        out = self.target.runner.forward(fb)
+        out = self._forward(self.target.runner, fb, SubForward.TARGET_EXTEND, it)
         ready = [i for i, r in enumerate(batch.reqs) if r.kv_len + batch.extend_lens[i] == r.seq_len]
         result = GenerationResult([[] for _ in batch.reqs], list(batch.extend_lens))
         if ready:
@@ -130,7 +197,8 @@ class EAGLEWorker:
             capture_hidden_mode=CaptureHiddenMode.LAST,
             spec_info=SpecInput(out.hidden_states),
         )
-        self._store_states([batch.reqs[i] for i in ready], self.draft_runner.forward(draft_fb), ready)
+        draft_out = self._forward(self.draft_runner, draft_fb, SubForward.DRAFT_EXTEND_PREFILL, it)
+        self._store_states([batch.reqs[i] for i in ready], draft_out, ready)
         return result
 
     def _store_states(self, reqs: list[Req], out: LogitsProcessorOutput, rows: list[int]) -> None:
@@ -145,16 +213,16 @@ class EAGLEWorker:
             self.states[req.rid] = DraftState(topk_p[j], topk_index[j], hidden[j])
 
     # ------------------------------------------------------------------ decode cycle
-    def forward_decode(self, batch: ScheduleBatch) -> GenerationResult:
+    def forward_decode(self, batch: ScheduleBatch, it: SpecIterationPlan) -> GenerationResult:
         reqs = batch.reqs
         states = [self.states[r.rid] for r in reqs]
-        cand_scores, cand_tokens, cand_parents = self.draft(reqs, states)
+        cand_scores, cand_tokens, cand_parents = self.draft(reqs, states, it)
         root = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
         tree = build_verify_tree(root, cand_scores, cand_tokens, cand_parents, self.num_draft)
-        slots, out = self.verify(reqs, tree)
+        slots, out = self.verify(reqs, tree, it)
         paths, bonus, result = self.accept(reqs, tree, out)
         kept = self.keep_accepted(reqs, slots, paths)
-        self.draft_extend(reqs, tree, paths, bonus, kept, out.hidden_states)
+        self.draft_extend(reqs, tree, paths, bonus, kept, out.hidden_states, it)
         return result
 
     def _rows(self, reqs: list[Req]) -> torch.Tensor:
@@ -196,7 +264,9 @@ class EAGLEWorker:
             spec_info=SpecInput(hidden) if hidden is not None else None,
         )
 
-    def draft(self, reqs: list[Req], states: list[DraftState]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def draft(
+        self, reqs: list[Req], states: list[DraftState], it: SpecIterationPlan
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft candidates [bs, M] (scores, tokens, parent candidate), M = topk + (steps-1) topk^2."""
         bs, k = len(reqs), self.topk
         scores = torch.stack([s.topk_p for s in states])
@@ -224,7 +294,7 @@ class EAGLEWorker:
                 list(ancestors),
                 hidden,
             )
-            out = self.draft_runner.forward(fb)
+            out = self._forward(self.draft_runner, fb, SubForward.DRAFT_STEP, it)
             child_p, child_tok = torch.topk(torch.softmax(out.next_token_logits, dim=-1), k, dim=-1)
             child_scores = (scores.view(bs, k, 1) * child_p.view(bs, k, k)).flatten(1)
             child_tok = child_tok.view(bs, k * k)
@@ -245,7 +315,7 @@ class EAGLEWorker:
         self.kv.allocator.free(scratch.flatten())
         return torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1)
 
-    def verify(self, reqs: list[Req], tree: VerifyTree) -> tuple[torch.Tensor, LogitsProcessorOutput]:
+    def verify(self, reqs: list[Req], tree: VerifyTree, it: SpecIterationPlan) -> tuple[torch.Tensor, LogitsProcessorOutput]:
         """Target forward over every request's tree; returns its slots [bs, n] and output."""
         n = self.num_draft
         slots = self.kv.alloc(len(reqs) * n).view(len(reqs), n)
@@ -260,7 +330,7 @@ class EAGLEWorker:
             [tree.ancestor_mask(b) for b in range(len(reqs))],
             None,
         )
-        return slots, self.target.runner.forward(fb)
+        return slots, self._forward(self.target.runner, fb, SubForward.TARGET_VERIFY, it)
 
     def accept(
         self, reqs: list[Req], tree: VerifyTree, out: LogitsProcessorOutput
@@ -360,29 +430,39 @@ class EAGLEWorker:
         bonus: list[int],
         kept: list[torch.Tensor],
         target_hidden: torch.Tensor,
+        it: SpecIterationPlan,
     ) -> None:
         """Draft catches up on the emitted tokens: position kv_len + j consumes emitted token j
-        with the target hidden state of the node before it."""
-        n = self.num_draft
-        ids, positions, hidden_rows, ext = [], [], [], []
+        with the target hidden state of the node before it. Each request runs steps + 1 rows
+        (a size known before acceptance); rows past its accepted + 1 are pads that come after
+        every real row (so no real row sees them, causally) and write the dummy KV slot."""
+        n, width = self.num_draft, self.sizes.draft_extend_rows
+        ids, positions, hidden_rows, last_rows, out_slots = [], [], [], [], []
         for b, (req, path) in enumerate(zip(reqs, paths)):
-            ids += [tree.tokens[b][c] for c in path] + [bonus[b]]
-            positions += range(req.kv_len, req.kv_len + len(path) + 1)
-            hidden_rows += [b * n + node for node in [0] + path]
-            ext.append(len(path) + 1)
-        seq = [r.kv_len + e for r, e in zip(reqs, ext)]
+            nodes, pad = [0] + path, width - len(path) - 1
+            ids += [tree.tokens[b][c] for c in path] + [bonus[b]] + [0] * pad
+            positions += range(req.kv_len, req.kv_len + width)
+            hidden_rows += [b * n + node for node in nodes] + [b * n + nodes[-1]] * pad
+            last_rows.append(b * width + len(nodes) - 1)
+            pads = kept[b].new_full((pad,), _DUMMY_SLOT)
+            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len + len(nodes), pads)
+            out_slots += [kept[b], pads]
+        ext = [width] * len(reqs)
+        seq = [r.kv_len + width for r in reqs]
         fb = ForwardBatch(
             mode=ForwardMode.DRAFT_EXTEND,
             batch_size=len(reqs),
             input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
             positions=self._positions(positions),
-            out_cache_loc=torch.cat(kept),
+            out_cache_loc=torch.cat(out_slots),
             req_pool_indices=self._rows(reqs),
             seq_lens=torch.tensor(seq, dtype=torch.int64, device=self.device),
             extend_seq_lens=torch.tensor(ext, dtype=torch.int64, device=self.device),
             seq_lens_cpu=seq,
             extend_seq_lens_cpu=ext,
             capture_hidden_mode=CaptureHiddenMode.LAST,
-            spec_info=SpecInput(target_hidden[torch.tensor(hidden_rows, device=self.device)]),
+            logits_indices=torch.tensor(last_rows, dtype=torch.int64, device=self.device),
+            spec_info=SpecInput(target_hidden[torch.tensor(hidden_rows, dtype=torch.int64, device=self.device)]),
         )
-        self._store_states(reqs, self.draft_runner.forward(fb), list(range(len(reqs))))
+        out = self._forward(self.draft_runner, fb, SubForward.DRAFT_EXTEND, it)
+        self._store_states(reqs, out, list(range(len(reqs))))

@@ -1,0 +1,95 @@
+"""Which speculative sub-forwards run in one scheduler iteration, and their token counts.
+
+Under DP attention every sub-forward gathers rows from all DP ranks before the MLP/MoE, so
+every rank must run the same sequence of sub-forwards with the same per-rank row counts.
+Both follow from the iteration's one plan all-gather (GlobalPlan), on every rank alike:
+
+  extend phase (if any DP rank prefills):   target extend, draft extend   (1 row per token)
+  decode phase (if any DP rank decodes):    draft step x (steps - 1)      (topk per request)
+                                            target verify                 (num_draft_tokens per request)
+                                            draft extend                  (steps + 1 per request)
+
+A rank takes part in a phase it has no work for with zero-row (IDLE) sub-forwards. The draft
+extend after verify is padded to steps + 1 rows per request (accepted + 1 are real), so its
+size is known before acceptance and no extra agreement step is needed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+from sglang.srt.distributed.scheduler_comm import GlobalPlan
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+
+class SubForward(enum.Enum):
+    TARGET_EXTEND = "target_extend"
+    DRAFT_EXTEND_PREFILL = "draft_extend_prefill"
+    DRAFT_STEP = "draft_step"
+    TARGET_VERIFY = "target_verify"
+    DRAFT_EXTEND = "draft_extend"
+
+
+@dataclass(frozen=True)
+class SpecSizes:
+    steps: int
+    topk: int
+    num_draft_tokens: int
+
+    @property
+    def draft_extend_rows(self) -> int:
+        """Rows per request of the draft extend after verify (padded: accepted + 1 <= steps + 1)."""
+        return self.steps + 1
+
+
+@dataclass(frozen=True)
+class SpecIterationPlan:
+    """extend_tokens[d]: tokens DP rank d prefills (None: no extend phase this iteration);
+    decode_reqs[d]: requests DP rank d decodes (None: no decode phase). One entry per DP rank
+    under DP attention, else a single entry (this rank's own batch). Same on every rank."""
+
+    sizes: SpecSizes
+    extend_tokens: Optional[tuple[int, ...]]
+    decode_reqs: Optional[tuple[int, ...]]
+    dp_attention: bool
+
+    @classmethod
+    def from_global(cls, plan: GlobalPlan, sizes: SpecSizes) -> "SpecIterationPlan":
+        extend = tuple(p.num_tokens if p.is_extend else 0 for p in plan.per_rank)
+        decode = tuple(0 if p.is_extend else p.num_reqs for p in plan.per_rank)
+        return cls(sizes, extend if any(extend) else None, decode if any(decode) else None, True)
+
+    @classmethod
+    def local(cls, mode: ForwardMode, num_tokens: int, num_reqs: int, sizes: SpecSizes) -> "SpecIterationPlan":
+        """One DP group: the phase of this rank's own batch, no gathering."""
+        is_extend = mode == ForwardMode.EXTEND
+        return cls(sizes, (num_tokens,) if is_extend else None, None if is_extend else (num_reqs,), False)
+
+    def rows(self, kind: SubForward) -> tuple[int, ...]:
+        """Rows each DP rank feeds the model in one sub-forward of this kind."""
+        if kind in (SubForward.TARGET_EXTEND, SubForward.DRAFT_EXTEND_PREFILL):
+            assert self.extend_tokens is not None
+            return self.extend_tokens
+        assert self.decode_reqs is not None
+        per_req = {
+            SubForward.DRAFT_STEP: self.sizes.topk,
+            SubForward.TARGET_VERIFY: self.sizes.num_draft_tokens,
+            SubForward.DRAFT_EXTEND: self.sizes.draft_extend_rows,
+        }[kind]
+        return tuple(n * per_req for n in self.decode_reqs)
+
+    def global_num_tokens(self, kind: SubForward) -> Optional[list[int]]:
+        """ForwardBatch.global_num_tokens of a sub-forward (None without DP attention)."""
+        return list(self.rows(kind)) if self.dp_attention else None
+
+    def sub_forwards(self) -> list[SubForward]:
+        """The sequence every rank runs this iteration, in order."""
+        seq: list[SubForward] = []
+        if self.extend_tokens is not None:
+            seq += [SubForward.TARGET_EXTEND, SubForward.DRAFT_EXTEND_PREFILL]
+        if self.decode_reqs is not None:
+            seq += [SubForward.DRAFT_STEP] * (self.sizes.steps - 1)
+            seq += [SubForward.TARGET_VERIFY, SubForward.DRAFT_EXTEND]
+        return seq
