@@ -1,0 +1,274 @@
+"""Speculative decoding under DP attention (`--tp 2 --dp 2 --enable-dp-attention`, CPU, gloo, float32).
+
+- Scheduler-level runs (two spawned ranks driving real Scheduler objects iteration by
+  iteration, so arrivals are placed exactly): greedy tokens equal the single-rank
+  non-speculative run for NEXTN topk 4 (tree) and EAGLE on a tiny Llama, under uneven load —
+  one rank idle for a whole run, a rank prefilling (chunked, longer than the chunk) while the
+  other verifies, requests ending at different steps. Every dp_gather is recorded and
+  attributed to its sub-forward: its rows per DP rank are the planned ones (extend: tokens;
+  draft step: bs x topk; verify: bs x num_draft_tokens; draft extend: bs x (steps + 1)), one
+  buffer is allocated per rank and every gather uses it.
+- A perfect NEXTN draft gives accept length exactly steps + 1 on every DP rank.
+- Over HTTP (threads, staggered arrivals), NEXTN topk 1: tokens equal the reference, per-rank
+  accept length in the `[DP1 TP1] Decode batch … accept len:` line and in internal_states.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Any, Optional
+from unittest import mock
+
+import pytest
+import requests
+import torch
+import torch.multiprocessing as mp
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.parallel_state import initialize_model_parallel
+from sglang.srt.layers import dp_attention
+from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_loader import get_model
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import PortArgs, ServerArgs
+from sglang.test.model_harness import ModelHarness
+from sglang.test.server_utils import kill_server, popen_launch_server
+from sglang.test.spec_models import make_eagle_head, make_perfect_deepseek_v3
+from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
+from sglang.test.tiny_models import make_tiny_llama
+
+CHUNK = 4
+CHAIN = {"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
+TREE = {"speculative_num_steps": 3, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8}
+LONG = [5, 17, 42, 99, 7, 3, 150, 11, 12, 13, 14, 15, 16]  # longer than CHUNK: prefilled in 4 chunks
+# Runs of (iteration, DP rank, rid, prompt, max_new_tokens), one after the other.
+SCENARIOS = [
+    # Rank 1 idles while rank 0 prefills and decodes; its long prompt arrives while rank 0
+    # verifies (extend and decode phases in one iteration); requests end at different steps.
+    [
+        (0, 0, "a", [8, 9, 10], 9),
+        (0, 0, "b", [100, 101, 102, 103, 104, 105, 106], 5),
+        (4, 1, "c", LONG, 11),
+        (6, 0, "d", [60, 61, 62], 2),
+    ],
+    # One request: rank 1 is idle for the whole run.
+    [(0, 0, "e", LONG[:6], 7)],
+]
+
+
+# ---- reference ---------------------------------------------------------------------------
+
+
+def _reference(path: str) -> dict[str, list[int]]:
+    """Single-rank, non-speculative greedy tokens of every request of SCENARIOS."""
+    initialize_model_parallel(1, 0)
+    config = ModelConfig(path, dtype="float32", device="cpu")
+    harness = ModelHarness(get_model(config, "auto", "cpu"), config, max_context_len=64)
+    reqs = [r for run in SCENARIOS for r in run]
+    outs = harness.greedy_generate([p for *_, p, _ in reqs], max(n for *_, n in reqs))
+    return {rid: out[:n] for (_, _, rid, _, n), out in zip(reqs, outs)}
+
+
+# ---- scheduler-level runs on two spawned ranks ---------------------------------------------
+
+
+class _Outputs:
+    """Stands in for the detokenizer socket: keeps each request's final tokens."""
+
+    def __init__(self) -> None:
+        self.finished: dict[str, list[int]] = {}
+
+    def send_pyobj(self, msg) -> None:
+        for rid, ids, reason in zip(msg.rids, msg.output_ids, msg.finished_reasons):
+            if reason is not None:
+                self.finished[rid] = ids
+
+
+def _start_scheduler(rank: int, server_args: ServerArgs, port_args: PortArgs) -> tuple[Scheduler, int]:
+    """A rank's Scheduler (no sockets: requests are injected), and how many gathered buffers it allocated."""
+    made = []
+    make = ModelRunner._make_gathered_buffer
+
+    def counted(runner: ModelRunner) -> torch.Tensor:
+        made.append(runner)
+        return make(runner)
+
+    with mock.patch.object(ModelRunner, "_make_gathered_buffer", counted):
+        scheduler = Scheduler(server_args, port_args, 0, rank, None)
+    scheduler.recv_from_tokenizer = None
+    scheduler.send_to_detokenizer = _Outputs()
+    return scheduler, len(made)
+
+
+def _drive(scheduler: Scheduler, run: list[tuple], record: list[dict]) -> None:
+    """Iterate in lockstep with the other rank until every rank is idle after the last arrival."""
+    worker = scheduler.spec_worker
+    generate = worker.forward_batch_generation
+    batches: list[tuple[ForwardMode, int]] = []
+
+    def recorded(batch, plan=None):
+        batches.append((batch.mode, len(batch.reqs)))
+        return generate(batch, plan)
+
+    last_arrival = max(r[0] for r in run)
+    with mock.patch.object(worker, "forward_batch_generation", recorded):
+        for it in range(10_000):
+            for _, _, rid, prompt, max_new in [r for r in run if r[0] == it and r[1] == scheduler.dp_rank]:
+                params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+                scheduler.handle_message(TokenizedGenerateReqInput(rid, None, prompt, params))
+            worker.trace, batches[:] = [], []
+            scheduler.run_iteration()
+            if batches:
+                record.append({"iteration": scheduler.iterations, "batch": batches[0], "trace": list(worker.trace)})
+            if it >= last_arrival and scheduler.globally_idle:
+                return
+    raise AssertionError("did not finish")
+
+
+def _check_gathers(gathers: list[tuple], record: list[dict], dp_rank: int, sizes: dict, layers: dict) -> None:
+    """Every dp_gather moved the planned rows of its sub-forward, through the one buffer."""
+    steps, topk, n = sizes["speculative_num_steps"], sizes["speculative_eagle_topk"], sizes["speculative_num_draft_tokens"]
+    by_iteration = {r["iteration"]: r for r in record}
+    assert len({ptr for *_, ptr in gathers}) == 1, "more than one gathered buffer"
+    per_sub_forward: dict[tuple[int, int], int] = {}
+    for iteration, index, rows, local, _ in gathers:
+        kind, planned, planned_local = by_iteration[iteration]["trace"][index]
+        assert rows == planned and local == planned_local == rows[dp_rank], (kind, rows, planned, local)
+        per_sub_forward[iteration, index] = per_sub_forward.get((iteration, index), 0) + 1
+    for r in record:
+        trace = r["trace"]
+        for index, (kind, _, _) in enumerate(trace):  # one gather per MLP/MoE layer of the model
+            assert per_sub_forward.get((r["iteration"], index), 0) == layers[kind.startswith("target")], (kind, r)
+        rows = {kind: planned for kind, planned, _ in trace}
+        if "target_verify" in rows:  # per DP rank: bs x topk, bs x num_draft_tokens, bs x (steps + 1)
+            bs = [v // n for v in rows["target_verify"]]
+            assert rows["target_verify"] == tuple(b * n for b in bs)
+            assert rows["draft_extend"] == tuple(b * (steps + 1) for b in bs)
+            assert all(planned == tuple(b * topk for b in bs) for kind, planned, _ in trace if kind == "draft_step")
+            assert [kind for kind, _, _ in trace].count("draft_step") == steps - 1
+            mode, num_reqs = r["batch"]
+            assert bs[dp_rank] == (num_reqs if mode == ForwardMode.DECODE else 0)
+        if "target_extend" in rows:
+            assert rows["draft_extend_prefill"] == rows["target_extend"]
+
+
+def _rank_main(rank: int, server_args: ServerArgs, port_args: PortArgs, refs: dict, expect: dict, results) -> None:
+    torch.set_num_threads(1)
+    scheduler, buffers_made = _start_scheduler(rank, server_args, port_args)
+    assert buffers_made == 1  # the draft runner shares the target's gathered buffer
+    worker = scheduler.spec_worker
+    assert worker.draft_runner.gathered_buffer is scheduler.runner.gathered_buffer
+    gathers: list[tuple] = []
+    gather = dp_attention.dp_gather
+
+    def recorded_gather(local, global_num_tokens, buffer):
+        gathers.append((scheduler.iterations, len(worker.trace) - 1, tuple(global_num_tokens), local.shape[0], buffer.data_ptr()))
+        return gather(local, global_num_tokens, buffer)
+
+    record: list[dict] = []
+    with mock.patch.object(dp_attention, "dp_gather", recorded_gather):
+        for run in SCENARIOS:
+            _drive(scheduler, run, record)
+    mine = {r[2] for run in SCENARIOS for r in run if r[1] == scheduler.dp_rank}
+    assert scheduler.send_to_detokenizer.finished == {rid: refs[rid] for rid in mine}
+    layers = {True: scheduler.model_config.num_hidden_layers, False: 1}
+    _check_gathers(gathers, record, scheduler.dp_rank, expect["sizes"], layers)
+    # Coverage of the uneven-load cases this run is meant to exercise.
+    traces = [dict((k, rows) for k, rows, _ in r["trace"]) for r in record]
+    assert any("target_extend" in t and "target_verify" in t for t in traces), "no mixed iteration"
+    if scheduler.dp_rank == 1:  # idle for the whole second run
+        assert any(r["batch"][0] == ForwardMode.IDLE for r in record), "this rank never idled"
+    assert scheduler.free_kv_tokens() == scheduler.allocator.size
+    results[rank] = scheduler.avg_spec_accept_length()
+
+
+def _run_ranks(model_path: str, refs: dict, **spec_args) -> list[float]:
+    """Two ranks (--tp 2 --dp 2 --enable-dp-attention); returns each DP rank's accept length."""
+    server_args = ServerArgs(
+        model_path=model_path,
+        device="cpu",
+        tp_size=2,
+        dp_size=2,
+        enable_dp_attention=True,
+        chunked_prefill_size=CHUNK,
+        max_running_requests=4,
+        debug_collectives=True,
+        **spec_args,
+    )
+    port_args = PortArgs.init_new(server_args)
+    sizes = {k: getattr(server_args, k) for k in CHAIN}
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_rank_main, args=(server_args, port_args, refs, {"sizes": sizes}, results), nprocs=2)
+    return [results[r] for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory) -> str:
+    return make_tiny_deepseek_v3(str(tmp_path_factory.mktemp("sdp_v3")))
+
+
+@pytest.fixture(scope="module")
+def deepseek_reference(deepseek) -> dict[str, list[int]]:
+    return _reference(deepseek)
+
+
+@pytest.mark.timeout(300)
+def test_nextn_tree_uneven_load_and_gathered_rows(deepseek, deepseek_reference):
+    _run_ranks(deepseek, deepseek_reference, speculative_algorithm="NEXTN", **TREE)
+
+
+@pytest.mark.timeout(300)
+def test_perfect_nextn_accepts_steps_plus_one_on_every_dp_rank(tmp_path):
+    target = make_perfect_deepseek_v3(str(tmp_path / "perfect_v3"))
+    accept = _run_ranks(target, _reference(target), speculative_algorithm="NEXTN", **CHAIN)
+    assert accept == [CHAIN["speculative_num_steps"] + 1] * 2
+
+
+@pytest.mark.timeout(300)
+def test_eagle_llama_under_dp_attention(tmp_path):
+    target = make_tiny_llama(str(tmp_path / "llama"))
+    head = make_eagle_head(target, str(tmp_path / "head"))
+    _run_ranks(target, _reference(target), speculative_algorithm="EAGLE", speculative_draft_model_path=head, **TREE)
+
+
+# ---- HTTP server: staggered arrivals, logs and internal state ------------------------------
+
+
+def test_http_staggered_arrivals_and_per_rank_accept_length(deepseek, deepseek_reference):
+    run = SCENARIOS[0]
+    spec = [f"--{k.replace('_', '-')}={v}" for k, v in CHAIN.items()]
+    args = ["--device", "cpu", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--speculative-algo", "NEXTN"]
+    args += spec + ["--chunked-prefill-size", str(CHUNK), "--decode-log-interval", "1", "--debug-collectives"]
+    server = popen_launch_server(deepseek, args)
+    try:
+        results: dict[str, Optional[list[int]]] = {}
+
+        def send(rid: str, prompt: list[int], max_new: int, delay: float) -> None:
+            time.sleep(delay)
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+            results[rid] = requests.post(f"{server.base_url}/generate", json=body, timeout=120).json()["output_ids"]
+
+        # The controller spreads them over the DP ranks; later ones land while others decode.
+        threads = [threading.Thread(target=send, args=(rid, p, n, 0.4 * i)) for i, (_, _, rid, p, n) in enumerate(run)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert results == {rid: deepseek_reference[rid] for *_, rid, _, _ in run}
+        states = requests.get(f"{server.base_url}/get_server_info", timeout=30).json()["internal_states"]
+        assert [s["dp_rank"] for s in states] == [0, 1]
+        for s in states:
+            assert 1.0 <= s["avg_spec_accept_length"] <= CHAIN["speculative_num_steps"] + 1
+            assert s["available_kv_tokens"] == s["max_total_num_tokens"]
+            assert abs(s["plan_all_gathers"] - s["iterations"]) <= 1
+        log = server.log_tail(400000)
+        for rank in (0, 1):
+            assert re.search(rf"DP{rank} TP{rank}\] Decode batch\. .*accept len: \d+\.\d\d", log), rank
+        assert re.search(r"DP attention gathered buffer: \d+ rows x \d+ hidden = \d+ bytes", log)
+    finally:
+        kill_server(server)
