@@ -16,12 +16,13 @@ import argparse
 import csv
 import json
 import os
-import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import requests
+
+from sglang.bench_serving import server_accept_length
 
 CHOICES = "ABCD"
 
@@ -56,13 +57,6 @@ def generate(base_url: str, prompt: str) -> str:
     resp = requests.post(f"{base_url}/generate", json=body, timeout=600)
     resp.raise_for_status()
     return resp.json()["text"]
-
-
-def server_accept_length(base_url: str) -> Optional[float]:
-    """Mean over DP ranks of the server's accept length since startup (None without speculation)."""
-    states = requests.get(f"{base_url}/get_server_info", timeout=30).json()["internal_states"]
-    values = [s["avg_spec_accept_length"] for s in states if s.get("avg_spec_accept_length") is not None]
-    return statistics.fmean(values) if values else None
 
 
 def main(argv: Optional[list[str]] = None) -> dict:

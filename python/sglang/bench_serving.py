@@ -11,8 +11,8 @@ Arrivals: all at once (default), or Poisson at --request-rate; --max-concurrency
 requests in flight. Reports TTFT, TPOT (per request, (latency - TTFT) / (output - 1)), ITL
 (between stream chunks; with speculation one chunk can carry several tokens) and E2E
 latency as mean / median / p99, request and token throughput, and the accept length: of
-this run (completion tokens / verify steps, summed over requests) and the server's since
-startup (/get_server_info, mean over DP ranks).
+this run (tokens after the first / verify steps, summed over requests) and the server's
+since startup (/get_server_info, mean over DP ranks, warm-up requests included).
 """
 
 from __future__ import annotations
@@ -199,7 +199,10 @@ def server_accept_length(base_url: str) -> Optional[float]:
 def summarize(args: argparse.Namespace, results: list[RequestResult], duration: float, base_url: str) -> dict[str, Any]:
     done = [r for r in results if r.ok]
     out_tokens = sum(r.completion_tokens for r in done)
-    verify_steps = sum(r.spec_verify_ct for r in done)
+    # Each verify step emits accepted drafts + 1; the first token of a request comes from prefill.
+    speculated = [r for r in done if r.spec_verify_ct]
+    verify_steps = sum(r.spec_verify_ct for r in speculated)
+    verify_tokens = sum(r.completion_tokens - 1 for r in speculated)
     metrics: dict[str, Any] = {
         "backend": args.backend,
         "dataset_name": args.dataset_name,
@@ -214,7 +217,7 @@ def summarize(args: argparse.Namespace, results: list[RequestResult], duration: 
         "request_throughput": len(done) / duration,
         "input_throughput": sum(r.prompt_tokens for r in done) / duration,
         "output_throughput": out_tokens / duration,
-        "accept_length": out_tokens / verify_steps if verify_steps else None,
+        "accept_length": verify_tokens / verify_steps if verify_steps else None,
         "server_accept_length": server_accept_length(base_url),
     }
     metrics.update(_stats("ttft", [r.ttft for r in done]))

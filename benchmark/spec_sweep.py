@@ -1,0 +1,93 @@
+"""Sweep speculative settings: one server per (steps, topk, draft tokens), one fixed workload each,
+and a markdown table of accept length and throughput.
+
+    python benchmark/spec_sweep.py --model-path M --speculative-algorithm NEXTN \
+        --configs 1,1,2 3,1,4 5,1,6 3,4,8 --baseline \
+        --dataset-name file --dataset-path prompts.jsonl --num-prompts 32 --max-concurrency 1 \
+        -- --cuda-graph-max-bs 32
+
+--configs takes steps,topk,draft_tokens triples; --baseline adds a run without speculation
+(the speed-up column is relative to it). Other flags before `--` describe the workload and
+are python -m sglang.bench_serving's; flags after `--` go to every server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Optional
+
+from sglang.bench_serving import get_parser as bench_parser
+from sglang.bench_serving import run_benchmark
+from sglang.test.server_utils import kill_server, popen_launch_server
+
+Config = Optional[tuple[int, int, int]]  # (steps, topk, draft tokens); None: no speculation
+
+
+def parse_config(text: str) -> tuple[int, int, int]:
+    steps, topk, draft = (int(x) for x in text.split(","))
+    return steps, topk, draft
+
+
+def server_flags(args: argparse.Namespace, config: Config) -> list[str]:
+    if config is None:
+        return []
+    flags = ["--speculative-algorithm", args.speculative_algorithm]
+    if args.speculative_draft_model_path:
+        flags += ["--speculative-draft-model-path", args.speculative_draft_model_path]
+    steps, topk, draft = config
+    return flags + [
+        "--speculative-num-steps", str(steps),
+        "--speculative-eagle-topk", str(topk),
+        "--speculative-num-draft-tokens", str(draft),
+    ]
+
+
+def run_one(args: argparse.Namespace, bench_args: argparse.Namespace, server_argv: list[str], config: Config) -> dict[str, Any]:
+    server = popen_launch_server(args.model_path, [*server_flags(args, config), *server_argv], timeout=args.launch_timeout)
+    try:
+        bench_args.base_url = server.base_url
+        return run_benchmark(bench_args)
+    finally:
+        kill_server(server)
+
+
+def table(rows: list[tuple[Config, dict[str, Any]]]) -> str:
+    baseline = next((m["output_throughput"] for c, m in rows if c is None), None)
+    lines = [
+        "| steps | topk | draft tokens | accept length | output tok/s | median TPOT (ms) | speed-up |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for config, m in rows:
+        steps, topk, draft = config or ("-", "-", "-")
+        accept = f"{m['accept_length']:.2f}" if m["accept_length"] is not None else "-"
+        speedup = f"{m['output_throughput'] / baseline:.2f}x" if baseline else "-"
+        lines.append(
+            f"| {steps} | {topk} | {draft} | {accept} | {m['output_throughput']:.1f} | "
+            f"{m.get('median_tpot_ms', float('nan')):.2f} | {speedup} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> str:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    argv, server_argv = argv[:split], argv[split + 1 :]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--speculative-algorithm", choices=("EAGLE", "NEXTN"), required=True)
+    p.add_argument("--speculative-draft-model-path")
+    p.add_argument("--configs", type=parse_config, nargs="+", required=True, help="steps,topk,draft_tokens ...")
+    p.add_argument("--baseline", action="store_true", help="also run without speculation")
+    p.add_argument("--launch-timeout", type=float, default=900.0)
+    args, bench_argv = p.parse_known_args(argv)
+    bench_args = bench_parser().parse_args(bench_argv)
+    configs: list[Config] = ([None] if args.baseline else []) + list(args.configs)
+    rows = [(config, run_one(args, bench_args, server_argv, config)) for config in configs]
+    result = table(rows)
+    print(result, flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Benchmark scripts and the tiny-model training tool, on CPU.
+
+- train_tiny_models for a few steps (tiny shapes, a few stdlib files): the DeepSeek checkpoint
+  has the MTP layer in the DeepSeek layout, the engine's NEXTN greedy output equals
+  transformers' greedy output of the same checkpoint, and the EAGLE head it trains for a tiny
+  Llama serves in a server;
+- that server (tiny Llama + trained EAGLE head) answers the MMLU script on a tiny MMLU-format
+  set and bench_serving (random and file prompts) with the accept length reported;
+- bench_one_batch on the tiny Llama; spec_sweep's table.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import sglang as sgl
+from sglang import bench_one_batch, bench_serving
+from sglang.test.server_utils import kill_server, popen_launch_server
+from sglang.test.tiny_models import make_tiny_llama
+from sglang.tools import train_tiny_models
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MMLU_ROWS = {
+    "astronomy": [["What orbits the Earth?", "The Moon", "Mars", "The Sun", "Venus", "A"]] * 3,
+    "high_school_math": [["What is 2 + 2?", "3", "4", "5", "6", "B"], ["What is 3 * 3?", "6", "8", "9", "12", "C"]],
+}
+
+
+def _load_script(relpath: str):
+    spec = importlib.util.spec_from_file_location(os.path.basename(relpath)[:-3], os.path.join(REPO, relpath))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("trained")
+    llama = make_tiny_llama(str(root / "llama"))
+    out = str(root / "out")
+    train_tiny_models.main(
+        ["--out", out, "--device", "cpu", "--max-steps", "2", "--shape", "tiny", "--vocab-size", "320",
+         "--seq-len", "32", "--batch-size", "2", "--max-files", "20", "--eagle-target", llama]
+    )
+    return {
+        "llama": llama,
+        "deepseek": os.path.join(out, "deepseek-v3-mtp"),
+        "eagle": os.path.join(out, train_tiny_models.eagle_dir_name(llama)),
+        "prompts": os.path.join(out, "heldout_prompts.jsonl"),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(trained):
+    proc = popen_launch_server(
+        trained["llama"],
+        ["--device", "cpu", "--dtype", "float32", "--speculative-algorithm", "EAGLE",
+         "--speculative-draft-model-path", trained["eagle"]],
+    )
+    yield proc
+    kill_server(proc)
+
+
+# ---------------------------------------------------------------------------- training tool
+def test_deepseek_checkpoint_has_mtp_layer_in_deepseek_layout(trained):
+    config = json.load(open(os.path.join(trained["deepseek"], "config.json")))
+    n = config["num_hidden_layers"]
+    with safe_open(os.path.join(trained["deepseek"], "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert torch.equal(f.get_tensor(f"model.layers.{n}.shared_head.head.weight"), f.get_tensor("lm_head.weight"))
+    mtp = f"model.layers.{n}."
+    for extra in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "embed_tokens.weight",
+                  "self_attn.kv_a_proj_with_mqa.weight", "mlp.gate.weight"):
+        assert mtp + extra in names
+    assert not any(name.startswith(f"model.layers.{n + 1}.") for name in names)
+
+
+def test_trained_deepseek_nextn_matches_transformers_greedy(trained):
+    path = trained["deepseek"]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompt = tokenizer.encode("import os\ndef main(")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    with sgl.Engine(model_path=path, device="cpu", dtype="float32", speculative_algorithm="NEXTN") as engine:
+        out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+        accept = engine.get_server_info()["internal_states"][0]["avg_spec_accept_length"]
+    assert out["output_ids"] == expected
+    assert out["meta_info"]["spec_verify_ct"] >= 1 and 1.0 <= accept <= 4.0
+
+
+def test_draft_loss_falls_when_training_a_head(tmp_path):
+    """A few steps on one batch must lower the distillation loss (the loss trains the head)."""
+    from sglang.tools.draft_heads import EagleHead, draft_loss
+
+    target = AutoModelForCausalLM.from_pretrained(make_tiny_llama(str(tmp_path / "t")), dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    head = EagleHead(target.config)
+    ids = torch.randint(0, target.config.vocab_size, (2, 24))
+    with torch.no_grad():
+        hidden = target.model(input_ids=ids).last_hidden_state
+        logits = target.lm_head(hidden)
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(15):
+        loss, _ = draft_loss(head, target.model.embed_tokens, target.lm_head, ids, hidden, logits, unroll=2)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert losses[-1] < 0.7 * losses[0]
+
+
+# ---------------------------------------------------------------------------- MMLU
+def _write_mmlu(root) -> str:
+    for split in ("dev", "test"):
+        os.makedirs(root / split, exist_ok=True)
+        for subject, rows in MMLU_ROWS.items():
+            with open(root / split / f"{subject}_{split}.csv", "w", newline="") as f:
+                csv.writer(f).writerows(rows)
+    return str(root)
+
+
+def test_mmlu_prompt_trims_shots_to_the_token_budget():
+    mmlu = _load_script("benchmark/mmlu/bench_sglang.py")
+    shots = MMLU_ROWS["high_school_math"]
+    full = mmlu.build_prompt("high_school_math", shots, shots[0], len, 10_000)
+    assert full.startswith("The following are multiple choice questions (with answers) about high school math.\n\n")
+    assert full.count("Answer:") == 3 and full.endswith("What is 2 + 2?\nA. 3\nB. 4\nC. 5\nD. 6\nAnswer:")
+    trimmed = mmlu.build_prompt("high_school_math", shots, shots[0], len, len(full) - 1)
+    assert trimmed.count("Answer:") == 2
+
+
+def test_mmlu_script_scores_the_servers_answers(server, trained, tmp_path):
+    mmlu = _load_script("benchmark/mmlu/bench_sglang.py")
+    data = _write_mmlu(tmp_path / "mmlu")
+    port = server.base_url.rsplit(":", 1)[1]
+    result_file = str(tmp_path / "result.jsonl")
+    result = mmlu.main(["--data_dir", data, "--nsub", "2", "--ntrain", "2", "--parallel", "3",
+                        "--port", port, "--result-file", result_file])
+    # Score the same prompts independently from the server's raw answers.
+    tokenizer = AutoTokenizer.from_pretrained(trained["llama"])
+    correct = []
+    for subject, rows in MMLU_ROWS.items():
+        for row in rows:
+            prompt = mmlu.build_prompt(subject, rows[:2], row, lambda t: len(tokenizer.encode(t)), 1536)
+            text = mmlu.generate(server.base_url, prompt)
+            correct.append(text.strip()[:1].upper() == row[5])
+    assert result["num_requests"] == 5
+    assert result["accuracy"] == round(sum(correct) / len(correct), 3)
+    assert result["accept_length"] is not None  # the server speculates
+    assert json.loads(open(result_file).read().splitlines()[-1])["accuracy"] == result["accuracy"]
+
+
+# ---------------------------------------------------------------------------- bench_serving
+def test_bench_serving_random_prompts(server, tmp_path):
+    out_file = str(tmp_path / "serving.jsonl")
+    args = bench_serving.get_parser().parse_args(
+        ["--base-url", server.base_url, "--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "5",
+         "--max-concurrency", "2", "--output-file", out_file]
+    )
+    m = bench_serving.run_benchmark(args)
+    assert m["completed"] == 4 and m["total_output_tokens"] == 20 and m["total_input_tokens"] == 32
+    assert 0 < m["median_ttft_ms"] <= m["median_e2e_latency_ms"] and m["median_tpot_ms"] > 0 and m["p99_itl_ms"] > 0
+    assert 1.0 <= m["accept_length"] <= 4.0 and m["server_accept_length"] is not None
+    assert json.loads(open(out_file).read())["completed"] == 4
+
+
+def test_bench_serving_file_prompts_at_a_request_rate(server, trained, tmp_path):
+    heldout = [json.loads(line)["prompt"] for line in open(trained["prompts"])]
+    assert heldout and all(heldout)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": heldout[0][:60]}) + "\n" + json.dumps({"prompt": "def f(x):", "output_len": 2}) + "\n")
+    args = bench_serving.get_parser().parse_args(
+        ["--base-url", server.base_url, "--dataset-name", "file", "--dataset-path", str(path),
+         "--num-prompts", "3", "--random-output-len", "3", "--request-rate", "20", "--flush-cache"]
+    )
+    m = bench_serving.run_benchmark(args)
+    assert m["completed"] == 3 and m["total_output_tokens"] == 3 + 2 + 3 and m["total_input_tokens"] > 3
+
+
+# ---------------------------------------------------------------------------- others
+def test_bench_one_batch_on_tiny_llama(trained, tmp_path):
+    result_file = str(tmp_path / "one_batch.jsonl")
+    rows = bench_one_batch.main(
+        ["--model-path", trained["llama"], "--device", "cpu", "--dtype", "float32", "--batch-size", "1", "3",
+         "--input-len", "12", "--output-len", "4", "--result-filename", result_file]
+    )
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    assert all(r["prefill_latency"] > 0 and r["median_decode_throughput"] > 0 for r in rows)
+    assert len(open(result_file).read().splitlines()) == 2
+
+
+def test_spec_sweep_table():
+    sweep = _load_script("benchmark/spec_sweep.py")
+    assert sweep.parse_config("3,4,8") == (3, 4, 8)
+    base = {"accept_length": None, "output_throughput": 100.0, "median_tpot_ms": 10.0}
+    spec = {"accept_length": 2.5, "output_throughput": 180.0, "median_tpot_ms": 5.5}
+    lines = sweep.table([(None, base), ((3, 1, 4), spec)]).splitlines()
+    assert lines[2] == "| - | - | - | - | 100.0 | 10.00 | 1.00x |"
+    assert lines[3] == "| 3 | 1 | 4 | 2.50 | 180.0 | 5.50 | 1.80x |"
