@@ -77,3 +77,13 @@ def test_gpu_backend_on_cpu_fails_at_launch():
     args = prepare_server_args(["--model-path", "m", "--device", "cpu", "--attention-backend", "triton"])
     with pytest.raises(ValueError, match="--attention-backend"):
         args.check_launchable()
+
+
+def test_every_flag_is_documented():
+    import os
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "server_arguments.md")).read()
+    for action in build_parser()._actions:
+        for flag in action.option_strings:
+            if flag not in ("-h", "--help"):
+                assert f"`{flag}`" in doc, flag
