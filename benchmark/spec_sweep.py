@@ -7,7 +7,8 @@ and a markdown table of accept length and throughput.
         -- --cuda-graph-max-bs 32
 
 --configs takes steps,topk,draft_tokens triples; --baseline adds a run without speculation
-(the speed-up column is relative to it). Other flags before `--` describe the workload and
+(the speed-up column is relative to it); --concurrencies 1 32 runs the workload at each
+concurrency on the same server. Other flags before `--` describe the workload and
 are python -m sglang.bench_serving's; flags after `--` go to every server.
 """
 
@@ -43,27 +44,35 @@ def server_flags(args: argparse.Namespace, config: Config) -> list[str]:
     ]
 
 
-def run_one(args: argparse.Namespace, bench_args: argparse.Namespace, server_argv: list[str], config: Config) -> dict[str, Any]:
+def run_one(
+    args: argparse.Namespace, bench_args: argparse.Namespace, server_argv: list[str], config: Config
+) -> list[tuple[Config, dict[str, Any]]]:
+    """One server with `config`; the workload once per concurrency (cache flushed before each)."""
     server = popen_launch_server(args.model_path, [*server_flags(args, config), *server_argv], timeout=args.launch_timeout)
     try:
-        bench_args.base_url = server.base_url
-        return run_benchmark(bench_args)
+        rows = []
+        for concurrency in args.concurrencies or [bench_args.max_concurrency]:
+            run_args = argparse.Namespace(**{**vars(bench_args), "base_url": server.base_url, "max_concurrency": concurrency, "flush_cache": True})
+            rows.append((config, run_benchmark(run_args)))
+        return rows
     finally:
         kill_server(server)
 
 
 def table(rows: list[tuple[Config, dict[str, Any]]]) -> str:
-    baseline = next((m["output_throughput"] for c, m in rows if c is None), None)
+    """Markdown; speed-up is output throughput over the baseline's at the same concurrency."""
+    baseline = {m["max_concurrency"]: m["output_throughput"] for c, m in rows if c is None}
     lines = [
-        "| steps | topk | draft tokens | accept length | output tok/s | median TPOT (ms) | speed-up |",
-        "|---|---|---|---|---|---|---|",
+        "| steps | topk | draft tokens | concurrency | accept length | output tok/s | median TPOT (ms) | speed-up |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for config, m in rows:
         steps, topk, draft = config or ("-", "-", "-")
         accept = f"{m['accept_length']:.2f}" if m["accept_length"] is not None else "-"
-        speedup = f"{m['output_throughput'] / baseline:.2f}x" if baseline else "-"
+        base = baseline.get(m["max_concurrency"])
+        speedup = f"{m['output_throughput'] / base:.2f}x" if base else "-"
         lines.append(
-            f"| {steps} | {topk} | {draft} | {accept} | {m['output_throughput']:.1f} | "
+            f"| {steps} | {topk} | {draft} | {m['max_concurrency'] or '-'} | {accept} | {m['output_throughput']:.1f} | "
             f"{m.get('median_tpot_ms', float('nan')):.2f} | {speedup} |"
         )
     return "\n".join(lines)
@@ -79,11 +88,12 @@ def main(argv: Optional[list[str]] = None) -> str:
     p.add_argument("--speculative-draft-model-path")
     p.add_argument("--configs", type=parse_config, nargs="+", required=True, help="steps,topk,draft_tokens ...")
     p.add_argument("--baseline", action="store_true", help="also run without speculation")
+    p.add_argument("--concurrencies", type=int, nargs="+", help="run the workload at each of these --max-concurrency")
     p.add_argument("--launch-timeout", type=float, default=900.0)
     args, bench_argv = p.parse_known_args(argv)
     bench_args = bench_parser().parse_args(bench_argv)
     configs: list[Config] = ([None] if args.baseline else []) + list(args.configs)
-    rows = [(config, run_one(args, bench_args, server_argv, config)) for config in configs]
+    rows = [row for config in configs for row in run_one(args, bench_args, server_argv, config)]
     result = table(rows)
     print(result, flush=True)
     return result

@@ -201,8 +201,12 @@ def test_bench_one_batch_on_tiny_llama(trained, tmp_path):
 def test_spec_sweep_table():
     sweep = _load_script("benchmark/spec_sweep.py")
     assert sweep.parse_config("3,4,8") == (3, 4, 8)
-    base = {"accept_length": None, "output_throughput": 100.0, "median_tpot_ms": 10.0}
-    spec = {"accept_length": 2.5, "output_throughput": 180.0, "median_tpot_ms": 5.5}
-    lines = sweep.table([(None, base), ((3, 1, 4), spec)]).splitlines()
-    assert lines[2] == "| - | - | - | - | 100.0 | 10.00 | 1.00x |"
-    assert lines[3] == "| 3 | 1 | 4 | 2.50 | 180.0 | 5.50 | 1.80x |"
+    def row(accept, throughput, tpot, concurrency):
+        return {"accept_length": accept, "output_throughput": throughput, "median_tpot_ms": tpot, "max_concurrency": concurrency}
+
+    rows = [(None, row(None, 100.0, 10.0, 1)), (None, row(None, 900.0, 30.0, 32)),
+            ((3, 1, 4), row(2.5, 180.0, 5.5, 1)), ((3, 1, 4), row(2.5, 1350.0, 20.0, 32))]
+    lines = sweep.table(rows).splitlines()
+    assert lines[2] == "| - | - | - | 1 | - | 100.0 | 10.00 | 1.00x |"
+    assert lines[4] == "| 3 | 1 | 4 | 1 | 2.50 | 180.0 | 5.50 | 1.80x |"
+    assert lines[5] == "| 3 | 1 | 4 | 32 | 2.50 | 1350.0 | 20.00 | 1.50x |"

@@ -50,10 +50,11 @@ EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
 
 # Model shapes: "small" for the GPU figures, "tiny" for CPU tests.
 DEEPSEEK_SHAPES = {
+    # ~6M parameters with the MTP layer: its bf16 checkpoint is under 16 MB.
     "small": dict(
-        hidden_size=512, intermediate_size=1408, moe_intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=192, kv_lora_rank=128,
-        qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=8, n_shared_experts=1,
+        hidden_size=256, intermediate_size=768, moe_intermediate_size=192, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64,
+        qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8, n_shared_experts=1,
         num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
     ),
     "tiny": dict(
@@ -335,7 +336,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--models", nargs="+", choices=("deepseek", "eagle"), default=["deepseek", "eagle"])
     p.add_argument("--eagle-target", default="SmolLM2-135M-Instruct", help="Llama-family target of the EAGLE head")
     p.add_argument("--shape", choices=sorted(DEEPSEEK_SHAPES), default="small", help="DeepSeek model size")
-    p.add_argument("--vocab-size", type=int, default=8192, help="DeepSeek tokenizer vocabulary")
+    p.add_argument("--vocab-size", type=int, default=2048, help="DeepSeek tokenizer vocabulary")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
