@@ -138,6 +138,19 @@ def test_mmlu_prompt_trims_shots_to_the_token_budget():
     assert trimmed.count("Answer:") == 2
 
 
+def test_synthetic_mmlu_set_has_hendrycks_layout_and_right_answers(tmp_path):
+    synthetic = _load_script("benchmark/mmlu/make_synthetic.py")
+    root = synthetic.write(str(tmp_path / "syn"), num_dev=2, num_test=4, seed=0)
+    mmlu = _load_script("benchmark/mmlu/bench_sglang.py")
+    assert mmlu.subjects_of(root) == ["addition", "multiplication", "subtraction"]
+    for subject in mmlu.subjects_of(root):
+        rows = mmlu.read_rows(os.path.join(root, "test", f"{subject}_test.csv"))
+        assert len(rows) == 4 and len(mmlu.read_rows(os.path.join(root, "dev", f"{subject}_dev.csv"))) == 2
+        for row in rows:
+            expression = row[0].removeprefix("What is ").removesuffix("?")
+            assert int(row[1 + "ABCD".index(row[5])]) == eval(expression) and len(set(row[1:5])) == 4
+
+
 def test_mmlu_script_scores_the_servers_answers(server, trained, tmp_path):
     mmlu = _load_script("benchmark/mmlu/bench_sglang.py")
     data = _write_mmlu(tmp_path / "mmlu")
