@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import initialize_model_parallel
+from sglang.srt.distributed.scheduler_comm import GlobalPlan, LocalPlan
 from sglang.srt.layers import dp_attention
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
@@ -36,6 +37,7 @@ from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_loader import get_model
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import PortArgs, ServerArgs
+from sglang.srt.speculative.spec_plan import SpecIterationPlan, SpecSizes, SubForward
 from sglang.test.model_harness import ModelHarness
 from sglang.test.server_utils import kill_server, popen_launch_server
 from sglang.test.spec_models import make_eagle_head, make_perfect_deepseek_v3
@@ -72,6 +74,32 @@ def _reference(path: str) -> dict[str, list[int]]:
     reqs = [r for run in SCENARIOS for r in run]
     outs = harness.greedy_generate([p for *_, p, _ in reqs], max(n for *_, n in reqs))
     return {rid: out[:n] for (_, _, rid, _, n), out in zip(reqs, outs)}
+
+
+# ---- sub-forward plan from the all-gather (pure) -------------------------------------------
+
+
+def test_sub_forward_rows_from_the_plan_all_gather():
+    sizes = SpecSizes(steps=3, topk=4, num_draft_tokens=8)
+    # DP0 prefills 6 tokens, DP1 decodes 2 requests, DP2 is idle: both phases run everywhere.
+    plan = GlobalPlan((LocalPlan(6, 2, 1), LocalPlan(2, 2, 0), LocalPlan(0, 0, 0)))
+    it = SpecIterationPlan.from_global(plan, sizes)
+    assert it.sub_forwards() == [
+        SubForward.TARGET_EXTEND,
+        SubForward.DRAFT_EXTEND_PREFILL,
+        SubForward.DRAFT_STEP,
+        SubForward.DRAFT_STEP,
+        SubForward.TARGET_VERIFY,
+        SubForward.DRAFT_EXTEND,
+    ]
+    assert it.rows(SubForward.TARGET_EXTEND) == it.rows(SubForward.DRAFT_EXTEND_PREFILL) == (6, 0, 0)
+    assert it.rows(SubForward.DRAFT_STEP) == (0, 8, 0)  # bs x topk, not bs x num_draft_tokens
+    assert it.rows(SubForward.TARGET_VERIFY) == (0, 16, 0)
+    assert it.rows(SubForward.DRAFT_EXTEND) == (0, 8, 0)  # padded to steps + 1 per request
+    decode_only = SpecIterationPlan.from_global(GlobalPlan((LocalPlan(1, 1, 0), LocalPlan(0, 0, 0))), sizes)
+    assert decode_only.extend_phase() == [] and decode_only.global_num_tokens(SubForward.TARGET_VERIFY) == [8, 0]
+    local = SpecIterationPlan.local(ForwardMode.DECODE, 3, 3, sizes)
+    assert local.global_num_tokens(SubForward.TARGET_VERIFY) is None  # one DP group: no gathering
 
 
 # ---- scheduler-level runs on two spawned ranks ---------------------------------------------

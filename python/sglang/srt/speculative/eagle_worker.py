@@ -127,16 +127,14 @@ class EAGLEWorker:
             it = SpecIterationPlan.from_global(plan, self.sizes)
         self.trace = []
         result = GenerationResult([], [])
-        if it.extend_tokens is not None:
-            if batch.mode == ForwardMode.EXTEND:
-                result = self.forward_extend(batch, it)
-            else:
-                self._idle(it, [SubForward.TARGET_EXTEND, SubForward.DRAFT_EXTEND_PREFILL])
-        if it.decode_reqs is not None:
-            if batch.mode == ForwardMode.DECODE:
-                result = self.forward_decode(batch, it)
-            else:
-                self._idle(it, [k for k in it.sub_forwards() if k not in (SubForward.TARGET_EXTEND, SubForward.DRAFT_EXTEND_PREFILL)])
+        if batch.mode == ForwardMode.EXTEND:
+            result = self.forward_extend(batch, it)
+        else:
+            self._idle(it, it.extend_phase())
+        if batch.mode == ForwardMode.DECODE:
+            result = self.forward_decode(batch, it)
+        else:
+            self._idle(it, it.decode_phase())
         return result
 
     def planned_sub_forwards(self, plan: GlobalPlan) -> list[tuple[str, tuple[int, ...]]]:

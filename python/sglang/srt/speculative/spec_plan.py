@@ -84,12 +84,16 @@ class SpecIterationPlan:
         """ForwardBatch.global_num_tokens of a sub-forward (None without DP attention)."""
         return list(self.rows(kind)) if self.dp_attention else None
 
+    def extend_phase(self) -> list[SubForward]:
+        if self.extend_tokens is None:
+            return []
+        return [SubForward.TARGET_EXTEND, SubForward.DRAFT_EXTEND_PREFILL]
+
+    def decode_phase(self) -> list[SubForward]:
+        if self.decode_reqs is None:
+            return []
+        return [SubForward.DRAFT_STEP] * (self.sizes.steps - 1) + [SubForward.TARGET_VERIFY, SubForward.DRAFT_EXTEND]
+
     def sub_forwards(self) -> list[SubForward]:
         """The sequence every rank runs this iteration, in order."""
-        seq: list[SubForward] = []
-        if self.extend_tokens is not None:
-            seq += [SubForward.TARGET_EXTEND, SubForward.DRAFT_EXTEND_PREFILL]
-        if self.decode_reqs is not None:
-            seq += [SubForward.DRAFT_STEP] * (self.sizes.steps - 1)
-            seq += [SubForward.TARGET_VERIFY, SubForward.DRAFT_EXTEND]
-        return seq
+        return self.extend_phase() + self.decode_phase()
