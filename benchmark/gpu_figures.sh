@@ -63,7 +63,7 @@ case $phase in
     stop
     ;;
   eagle)
-    data=${MMLU_DIR:-$out/mmlu_synthetic}
+    data=${MMLU_DIR:-/tmp/mmlu_synthetic}
     [ -d "$data" ] || python benchmark/mmlu/make_synthetic.py --out "$data" --num-test 100
     serve SmolLM2-135M-Instruct
     python benchmark/mmlu/bench_sglang.py --data_dir "$data" --nsub 60 --parallel 64 --port "$port" \
