@@ -1,0 +1,84 @@
+"""Two-GPU validation (NCCL): greedy tokens under TP, DP attention and NEXTN + DP attention
+equal the single-GPU plain run, a perfect draft accepts steps + 1 on every DP rank, and
+decode throughput of tp2 against tp2 + dp2 on a DeepSeek-V2-Lite-shaped dummy model.
+
+    source .device/env.sh && python3 benchmark/gpu/validate_2gpu.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import sglang as sgl
+from sglang.test.spec_models import make_perfect_deepseek_v3
+from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
+from sglang.test.tiny_models import make_tiny_llama
+
+PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11, 12, 13], [8, 9, 10], [100, 101, 102, 103, 104, 105, 106], list(range(30, 70))]
+MAX_NEW = [24, 9, 17, 30]
+DP_ATTN = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}
+NEXTN = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
+
+
+def greedy(path: str, **kwargs) -> tuple[list[list[int]], list]:
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in MAX_NEW]
+    with sgl.Engine(model_path=path, log_level="warning", **kwargs) as engine:
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        states = engine.get_server_info()["internal_states"]
+    return [o["output_ids"] for o in outs], [s.get("avg_spec_accept_length") for s in states]
+
+
+def check(name: str, path: str, reference: list[list[int]], **kwargs) -> dict:
+    start = time.time()
+    try:
+        tokens, accept = greedy(path, **kwargs)
+        row = {"check": name, "identical": tokens == reference, "accept_len_per_dp_rank": accept}
+    except Exception as e:  # keep validating the other configurations
+        row = {"check": name, "identical": False, "error": f"{type(e).__name__}: {e}"[:500]}
+    row["seconds"] = round(time.time() - start, 1)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args()
+    tmp = tempfile.mkdtemp()
+    llama = make_tiny_llama(os.path.join(tmp, "llama"))
+    dsv3 = make_tiny_deepseek_v3(os.path.join(tmp, "dsv3"))
+    perfect = make_perfect_deepseek_v3(os.path.join(tmp, "perfect"))
+    rows = []
+    for name, path in (("llama", llama), ("dsv3", dsv3)):
+        reference, _ = greedy(path, dtype="float32", disable_cuda_graph=True)
+        rows.append(check(f"{name} tp2", path, reference, dtype="float32", tp_size=2, disable_cuda_graph=True))
+        rows.append(check(f"{name} tp2 dp2 dp-attention", path, reference, dtype="float32", disable_cuda_graph=True, **DP_ATTN))
+    for topk, tokens in ((1, 4), (4, 8)):
+        spec = {**NEXTN, "speculative_eagle_topk": topk, "speculative_num_draft_tokens": tokens}
+        rows.append(check(f"dsv3 NEXTN topk{topk} tp2 dp2 dp-attention", dsv3, reference, dtype="float32", disable_cuda_graph=True, **DP_ATTN, **spec))
+    reference, _ = greedy(perfect, dtype="float32", disable_cuda_graph=True)
+    spec = {**NEXTN, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
+    rows.append(check("perfect NEXTN tp2 dp2 dp-attention (accept len must be 4.0 per rank)", perfect, reference, dtype="float32", disable_cuda_graph=True, **DP_ATTN, **spec))
+    with open(os.path.join(args.out, "validate_2gpu.jsonl"), "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    if args.skip_throughput:
+        return
+    bench = [sys.executable, "benchmark/bench_decode.py", "--config", "benchmark/configs/deepseek-v2-lite.json",
+             "--batch-sizes", "64", "--output-len", "32", "--repeats", "2", "--result-file", os.path.join(args.out, "tp_dp_throughput.jsonl"), "--"]
+    for extra in (["--tp-size", "2", "--disable-cuda-graph"],
+                  ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--disable-cuda-graph"],
+                  ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--disable-cuda-graph", "--speculative-algorithm", "NEXTN"]):
+        print("throughput:", " ".join(extra), flush=True)
+        subprocess.run(bench + extra, timeout=240, check=False)
+
+
+if __name__ == "__main__":
+    main()
