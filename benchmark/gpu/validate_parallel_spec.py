@@ -1,8 +1,12 @@
-"""Two-GPU validation (NCCL): greedy tokens under TP, DP attention and NEXTN + DP attention
-equal the single-GPU plain run, a perfect draft accepts steps + 1 on every DP rank, and
-decode throughput of tp2 against tp2 + dp2 on a DeepSeek-V2-Lite-shaped dummy model.
+"""GPU validation of speculative decoding and of TP / DP attention (NCCL).
 
-    source .device/env.sh && python3 benchmark/gpu/validate_2gpu.py --out $OUT
+With --gpus 2: greedy tokens under TP, DP attention and NEXTN + DP attention equal the
+single-GPU plain run, a perfect draft accepts steps + 1 on every DP rank, and decode
+throughput of tp2 against tp2 + dp2 on a DeepSeek-V2-Lite-shaped dummy model.
+With --gpus 1: the same speculative checks (NEXTN chain and tree, EAGLE, perfect draft) on one
+GPU with the Triton backend.
+
+    source .device/env.sh && python3 benchmark/gpu/validate_parallel_spec.py --gpus 2 --out $OUT
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import tempfile
 import time
 
 import sglang as sgl
-from sglang.test.spec_models import make_perfect_deepseek_v3
+from sglang.test.spec_models import make_eagle_head, make_perfect_deepseek_v3
 from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
 from sglang.test.tiny_models import make_tiny_llama
 
@@ -49,27 +53,36 @@ def check(name: str, path: str, reference: list[list[int]], **kwargs) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
+    parser.add_argument("--gpus", type=int, choices=(1, 2), default=2)
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
+    parallel = DP_ATTN if args.gpus == 2 else {}
     tmp = tempfile.mkdtemp()
     llama = make_tiny_llama(os.path.join(tmp, "llama"))
     dsv3 = make_tiny_deepseek_v3(os.path.join(tmp, "dsv3"))
     perfect = make_perfect_deepseek_v3(os.path.join(tmp, "perfect"))
+    where = "tp2 dp2 dp-attention" if args.gpus == 2 else "1 GPU"
     rows = []
+    references = {}
     for name, path in (("llama", llama), ("dsv3", dsv3)):
-        reference, _ = greedy(path, dtype="float32", disable_cuda_graph=True)
-        rows.append(check(f"{name} tp2", path, reference, dtype="float32", tp_size=2, disable_cuda_graph=True))
-        rows.append(check(f"{name} tp2 dp2 dp-attention", path, reference, dtype="float32", disable_cuda_graph=True, **DP_ATTN))
+        references[name], _ = greedy(path, dtype="float32", disable_cuda_graph=True)
+        if args.gpus == 2:
+            rows.append(check(f"{name} tp2", path, references[name], dtype="float32", tp_size=2, disable_cuda_graph=True))
+            rows.append(check(f"{name} {where}", path, references[name], dtype="float32", disable_cuda_graph=True, **DP_ATTN))
     for topk, tokens in ((1, 4), (4, 8)):
         spec = {**NEXTN, "speculative_eagle_topk": topk, "speculative_num_draft_tokens": tokens}
-        rows.append(check(f"dsv3 NEXTN topk{topk} tp2 dp2 dp-attention", dsv3, reference, dtype="float32", disable_cuda_graph=True, **DP_ATTN, **spec))
+        rows.append(check(f"dsv3 NEXTN topk{topk} {where}", dsv3, references["dsv3"], dtype="float32", disable_cuda_graph=True, **parallel, **spec))
+    eagle = make_eagle_head(llama, os.path.join(tmp, "eagle"))
+    spec = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": eagle, "speculative_num_steps": 3,
+            "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8}
+    rows.append(check(f"llama EAGLE topk4 {where}", llama, references["llama"], dtype="float32", disable_cuda_graph=True, **parallel, **spec))
     reference, _ = greedy(perfect, dtype="float32", disable_cuda_graph=True)
     spec = {**NEXTN, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
-    rows.append(check("perfect NEXTN tp2 dp2 dp-attention (accept len must be 4.0 per rank)", perfect, reference, dtype="float32", disable_cuda_graph=True, **DP_ATTN, **spec))
-    with open(os.path.join(args.out, "validate_2gpu.jsonl"), "w") as f:
+    rows.append(check(f"perfect NEXTN {where} (accept len must be 4.0 per rank)", perfect, reference, dtype="float32", disable_cuda_graph=True, **parallel, **spec))
+    with open(os.path.join(args.out, f"validate_{args.gpus}gpu.jsonl"), "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    if args.skip_throughput:
+    if args.skip_throughput or args.gpus == 1:
         return
     bench = [sys.executable, "benchmark/bench_decode.py", "--config", "benchmark/configs/deepseek-v2-lite.json",
              "--batch-sizes", "64", "--output-len", "32", "--repeats", "2", "--result-file", os.path.join(args.out, "tp_dp_throughput.jsonl"), "--"]
