@@ -37,6 +37,7 @@ from sglang.srt.managers.io_struct import (
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
+from sglang.srt.metrics.collector import MetricsCollector
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import PortArgs, ServerArgs
 
@@ -107,6 +108,7 @@ class ReqState:
     stops: list[str]
     return_text_in_logprobs: bool
     created: float = field(default_factory=time.monotonic)
+    first_token_at: Optional[float] = None  # set by MetricsCollector.on_output
     event: asyncio.Event = field(default_factory=asyncio.Event)
     latest: Optional[dict[str, Any]] = None
     finished: bool = False
@@ -191,6 +193,7 @@ class TokenizerManager:
         self.recv_from_detokenizer.bind(port_args.tokenizer_ipc_name)
 
         self.rid_to_state: dict[str, ReqState] = {}
+        self.metrics = MetricsCollector(server_args.served_model_name) if server_args.enable_metrics else None
         self.dead_reason: Optional[str] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._handle_task: Optional[asyncio.Task] = None
@@ -295,9 +298,14 @@ class TokenizerManager:
                 if state.finished:
                     reason = state.latest["meta_info"]["finish_reason"]
                     if self.server_args.log_requests:
-                        logger.info("Finished %s: %s", req.rid, state.latest["meta_info"])
+                        meta = state.latest["meta_info"]
+                        logger.info(
+                            "Finished %s: finish_reason=%s, prompt_tokens=%d, completion_tokens=%d, latency=%.3f s",
+                            req.rid, reason, meta["prompt_tokens"], meta["completion_tokens"], meta["e2e_latency"],
+                        )
                     if reason.get("type") == "abort" and reason.get("message"):
-                        raise RequestError(reason["message"])  # refused by the scheduler
+                        # Refused by the scheduler (400), or failed there (status_code, e.g. NaN logits).
+                        raise RequestError(reason["message"], reason.get("status_code", 400))
                     yield state.latest
                     return
                 if state.stream:
@@ -310,6 +318,8 @@ class TokenizerManager:
     def abort_request(self, rid: str) -> None:
         if self.rid_to_state.pop(rid, None) is not None:
             logger.info("Aborted request %s", rid)
+            if self.metrics is not None:
+                self.metrics.num_aborted_requests.inc()
             self.send_to_scheduler.send_pyobj(AbortReq(rid))
 
     # ------------------------------------------------------------------ control
@@ -387,6 +397,8 @@ class TokenizerManager:
                 meta["output_top_logprobs"] = [self._logprob_triples(t, state) for t in (tops or [])]
             if self.server_args.speculative_algorithm is not None and recv.spec_verify_ct:
                 meta["spec_verify_ct"] = recv.spec_verify_ct[i]
+            if self.metrics is not None:
+                self.metrics.on_output(state, meta)
             state.latest = {"text": text, "output_ids": list(recv.output_ids[i]), "meta_info": meta}
             state.finished = finished_reason is not None
             state.event.set()
