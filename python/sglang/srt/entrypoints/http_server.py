@@ -106,12 +106,13 @@ def create_app(tokenizer_manager: TokenizerManager, scheduler_info: dict[str, An
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving_chat.handle(body, request)
 
-    if server_args.enable_metrics:
-        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+    if tokenizer_manager.metrics is not None:
+        collector = tokenizer_manager.metrics
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+            collector.set_rank_states(await tokenizer_manager.get_internal_state())  # per-rank gauges, pulled now
+            return Response(collector.render(), media_type=collector.content_type)
 
     return app
 
