@@ -22,6 +22,7 @@ from sglang.srt.distributed.scheduler_comm import (
     SchedulerComm,
     init_distributed,
 )
+from sglang.srt.layers.sampler import NAN_TOKEN_ID
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -334,6 +335,10 @@ class Scheduler:
             req.finished_reason = {"type": "length", "length": 0}
             return
         for j, tok in enumerate(result.next_token_ids[i]):
+            if tok == NAN_TOKEN_ID:  # --enable-nan-detection: this step's logits were not finite
+                logger.error("NaN or inf in the logits of request %s; finishing it with an error", req.rid)
+                req.finished_reason = {"type": "abort", "message": "NaN or inf in the model's logits", "status_code": 500}
+                break
             req.output_ids.append(tok)
             if result.logprobs:
                 req.output_token_logprobs.append(result.logprobs[i][j])
