@@ -12,6 +12,9 @@ import torch
 
 from sglang.srt.sampling.sampling_params import SamplingParams
 
+# The id reported for a row whose logits were not finite (--enable-nan-detection).
+NAN_TOKEN_ID = -1
+
 
 @dataclass
 class SamplingBatchInfo:
@@ -91,6 +94,9 @@ class SampleOutput:
 
 
 class Sampler:
+    def __init__(self, detect_nan: bool = False):
+        self.detect_nan = detect_nan
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -99,6 +105,11 @@ class Sampler:
         top_logprobs_num: int = 0,
     ) -> SampleOutput:
         logits = info.apply_penalties(logits.float())
+        bad_rows = None
+        if self.detect_nan:
+            # One device-side reduction, no sync: the flags reach the host inside the ids.
+            bad_rows = ~torch.isfinite(logits).all(dim=-1)
+            logits = logits.masked_fill(bad_rows.view(-1, 1), 0.0)  # keeps sampling valid; the row is discarded
         if info.all_greedy:
             next_ids = torch.argmax(logits, dim=-1)
         else:
@@ -110,6 +121,8 @@ class Sampler:
             out.logprobs = logprobs.gather(1, next_ids.view(-1, 1)).squeeze(1)
             if top_logprobs_num > 0:
                 out.top_logprobs = torch.topk(logprobs, top_logprobs_num, dim=-1)
+        if bad_rows is not None:
+            out.next_token_ids = torch.where(bad_rows, NAN_TOKEN_ID, next_ids)
         return out
 
     @staticmethod

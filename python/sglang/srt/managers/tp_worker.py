@@ -39,7 +39,7 @@ class TpModelWorker:
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig, gpu_id: int, tp_rank: int):
         self.runner = ModelRunner(model_config, server_args, gpu_id, tp_rank, server_args.tp_size)
         self.device = self.runner.device
-        self.sampler = Sampler()
+        self.sampler = Sampler(server_args.enable_nan_detection)
         self.generators: dict[str, torch.Generator] = {}
         self.kv: Optional[ReqKVManager] = None  # set by the scheduler once the cache exists
 
