@@ -108,7 +108,11 @@ class ModelRunner:
                 )
         else:
             budget = min(_CPU_KV_BUDGET_BYTES, _CPU_MAX_KV_TOKENS * self.kv_bytes_per_token)
-        tokens = int(budget // self.kv_bytes_per_token)
+        # A speculative draft (NextN layer or EAGLE head: one decoder layer) later gets a KV pool
+        # with the same slots, so each slot also pays for one more layer of KV.
+        draft_layers = 1 if self.server_args.speculative_algorithm is not None else 0
+        per_token = self.kv_bytes_per_token * (self.num_kv_layers + draft_layers) / self.num_kv_layers
+        tokens = int(budget // per_token)
         if self.server_args.max_total_tokens is not None:
             tokens = min(tokens, self.server_args.max_total_tokens)
         if tokens < 16:
