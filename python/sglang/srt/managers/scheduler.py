@@ -41,6 +41,7 @@ from sglang.srt.mem_cache.req_kv import ReqKVManager
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer, resolve_model_path
+from sglang.srt.utils.zmq_utils import new_context
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class Scheduler:
         # Only the entry rank of each DP rank talks to the other processes.
         self.recv_from_tokenizer = self.send_to_detokenizer = self.send_to_tokenizer = None
         if self.comm.is_entry_rank:
-            ctx = zmq.Context(2)
+            ctx = new_context(2)
             self.recv_from_tokenizer = ctx.socket(zmq.PULL)
             dp_input = server_args.dp_size > 1
             self.recv_from_tokenizer.connect(
@@ -338,6 +339,8 @@ class Scheduler:
             if tok == NAN_TOKEN_ID:  # --enable-nan-detection: this step's logits were not finite
                 logger.error("NaN or inf in the logits of request %s; finishing it with an error", req.rid)
                 req.finished_reason = {"type": "abort", "message": "NaN or inf in the model's logits", "status_code": 500}
+                # Its KV may hold NaN (masked attention still spreads NaN values): never cache it.
+                self.kv.truncate(req, req.cache_prefix_len)
                 break
             req.output_ids.append(tok)
             if result.logprobs:
