@@ -25,6 +25,7 @@ from sglang.srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from sglang.srt.server_args import PortArgs
+from sglang.srt.utils.zmq_utils import new_context
 
 MAX_TOTAL_TOKENS = 1000
 STREAM_STEP_S = 0.005
@@ -44,7 +45,7 @@ class FakeScheduler:
     aborted: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._ctx = zmq.Context(1)
+        self._ctx = new_context(1)
         self._recv = self._ctx.socket(zmq.PULL)
         self._recv.connect(self.port_args.scheduler_input_ipc_name)
         self._send = self._ctx.socket(zmq.PUSH)
