@@ -198,15 +198,13 @@ def test_load_speculative_nextn(deepseek_dir):
         kill_server(proc)
 
 
-# Under DP attention every iteration runs collectives across 2 CPU processes: 100 requests keep the suite short.
-DP_LOAD_REQUESTS = 100
-
-
 def test_load_dp_attention(llama_dir):
     args = BASE_ARGS + ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]
     proc = popen_launch_server(llama_dir, args)
     try:
-        _load_test(proc, DP_LOAD_REQUESTS)
+        _load_test(proc, 200)
+        states = requests.get(proc.base_url + "/get_server_info", timeout=60).json()["internal_states"]
+        assert [s["dp_rank"] for s in states] == [0, 1]
     finally:
         kill_server(proc)
 
