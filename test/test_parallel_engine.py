@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,7 +15,7 @@ import requests
 
 import sglang as sgl
 from sglang.srt.utils.process import descendant_pids
-from sglang.test.server_utils import kill_server, popen_launch_server, wait_until_gone
+from sglang.test.server_utils import _PYTHON_DIR, find_free_port, kill_server, popen_launch_server, wait_until_gone
 
 PROMPTS = [
     [5, 17, 42, 99, 7, 3, 250, 11, 12, 13, 14, 15, 16],
@@ -119,3 +121,35 @@ def test_stuck_rank_trips_the_watchdog_and_the_server_exits(tiny_llama_dir):
                 pass
         kill_server(server)
     assert wait_until_gone(children) == []
+
+
+@pytest.mark.parametrize("dp_attention", [False, True], ids=["tp2", "tp2-dp2-dpattn"])
+def test_two_nodes_on_one_machine(model_and_reference, dp_attention):
+    """--nnodes 2: node 1 runs tp rank 1 only; node 0 runs rank 0 and the HTTP server."""
+    path, reference = model_and_reference
+    if "llama" not in path:
+        pytest.skip("one model is enough for the launch topology")
+    port = find_free_port()
+    args = ["--device", "cpu", "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
+    if dp_attention:
+        args += ["--dp-size", "2", "--enable-dp-attention"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PYTHON_DIR, os.environ.get("PYTHONPATH")])))
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", path, *args, "--node-rank", "1"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    node1_children: list[int] = []
+    try:
+        server = popen_launch_server(path, [*args, "--node-rank", "0"])
+        node1_children = descendant_pids(node1.pid)
+        try:
+            outs = []
+            for prompt, n in zip(PROMPTS, MAX_NEW):
+                body = {"input_ids": prompt, "sampling_params": _params(n)}
+                outs.append(requests.post(f"{server.base_url}/generate", json=body, timeout=120).json()["output_ids"])
+            assert outs == reference
+        finally:
+            kill_server(server)
+    finally:
+        kill_server(node1)
+    assert wait_until_gone(node1_children) == []

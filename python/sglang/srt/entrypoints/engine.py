@@ -98,6 +98,30 @@ def _launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, dic
     return tokenizer_manager, scheduler_info, subprocesses
 
 
+def run_worker_node(server_args: ServerArgs) -> None:
+    """--node-rank > 0: run this node's scheduler ranks (no HTTP, no tokenizer) until one of
+    them exits or this process is told to stop; node 0 serves the requests."""
+    import signal
+
+    server_args.check_launchable()
+    port_args = PortArgs.init_new(server_args)
+    subprocesses = Subprocesses(port_args.run_dir)
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    try:
+        readers = start_scheduler_side(server_args, port_args, mp.get_context("spawn"), subprocesses)
+        for reader in readers:
+            _wait_ready(reader)
+        logger.info("Node %d: %d scheduler rank(s) ready; serving through node 0.", server_args.node_rank, len(readers))
+        subprocesses.start_monitor(lambda reason: (logger.error("%s; stopping this node.", reason), stopped.set()))
+        while not stopped.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        subprocesses.shutdown()
+
+
 def _wait_ready(reader: Connection) -> SchedulerReady:
     try:
         ready = reader.recv()

@@ -154,8 +154,11 @@ def _install_guards(app: FastAPI, server_args: ServerArgs) -> None:
 def launch_server(server_args: ServerArgs) -> None:
     """Start the subprocesses and serve HTTP until SIGINT/SIGTERM; leave no process behind.
     Raises RuntimeError if it stopped because a subprocess died."""
-    from sglang.srt.entrypoints.engine import _launch_subprocesses
+    from sglang.srt.entrypoints.engine import _launch_subprocesses, run_worker_node
 
+    if server_args.node_rank > 0:
+        run_worker_node(server_args)
+        return
     tokenizer_manager, scheduler_info, subprocesses = _launch_subprocesses(server_args)
 
     def on_subprocess_death(reason: str) -> None:
