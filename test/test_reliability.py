@@ -5,11 +5,15 @@ and --enable-nan-detection on a model whose weights contain NaN."""
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
+import json
 import os
 import signal
 import subprocess
 import sys
 
+import httpx
 import pytest
 import requests
 import torch
@@ -126,6 +130,38 @@ def _load_test(server, num_requests: int, *extra: str) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:] + server.log_tail()
     assert '"server_errors": 0' in done.stdout
+
+
+def _load_test_module():
+    spec = importlib.util.spec_from_file_location("load_test", LOAD_TEST)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_load_test_checks_catch_bad_responses():
+    """The load test's checks fail on what they must catch (so a green run means something)."""
+    lt = _load_test_module()
+    spec = lt.Spec(0, "/generate", True, False, "hi", max_tokens=2, temperature=0.0)
+    good = {"text": "ab", "output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"}, "prompt_tokens": 1, "completion_tokens": 2}}
+    lt.check_generate(spec, good)
+    too_long = {**good, "output_ids": [5, 6, 7], "meta_info": {**good["meta_info"], "completion_tokens": 3}}
+    unfinished = {**good, "meta_info": {**good["meta_info"], "finish_reason": None}}
+    miscounted = {**good, "output_ids": [5]}
+    for bad in (too_long, unfinished, miscounted):
+        with pytest.raises(AssertionError):
+            lt.check_generate(spec, bad)
+
+    def stream(*events: str) -> httpx.Response:
+        return httpx.Response(200, content="".join(f"data: {e}\n\n" for e in events).encode())
+
+    snapshot = lambda text, ids: json.dumps({**good, "text": text, "output_ids": ids})  # noqa: E731
+    assert asyncio.run(lt.check_stream(spec, stream(snapshot("a", [5]), snapshot("ab", [5, 6]), "[DONE]"))) == "ab"
+    with pytest.raises(AssertionError):  # a snapshot that rewrites earlier text
+        asyncio.run(lt.check_stream(spec, stream(snapshot("x", [5]), snapshot("ab", [5, 6]), "[DONE]")))
+    with pytest.raises(ValueError):  # no [DONE]
+        asyncio.run(lt.check_stream(spec, stream(snapshot("ab", [5, 6]))))
 
 
 # ---------------------------------------------------------------------- plain server
