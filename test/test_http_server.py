@@ -7,7 +7,9 @@ tests cover everything above the scheduler: validation, streaming, OpenAI shapes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import shutil
 import time
 
 import pytest
@@ -26,23 +28,28 @@ REPLY = "Hello, 世界!"
 MODEL = "fake-model"
 
 
-def _make_backend(**server_kwargs):
+@contextlib.contextmanager
+def fake_backend(**server_kwargs):
+    """A TokenizerManager wired to a FakeScheduler; both closed on exit."""
     server_args = ServerArgs(model_path=MODEL, device="cpu", **server_kwargs)
     port_args = PortArgs.init_new(server_args)
     tokenizer = make_byte_tokenizer()
     tm = TokenizerManager(server_args, port_args, tokenizer=tokenizer)
     tm.set_scheduler_info(SchedulerReady(0, 0, MAX_TOTAL_TOKENS, CONTEXT_LEN - 1, CONTEXT_LEN))
     fake = FakeScheduler(port_args, tokenizer, reply=REPLY)
-    return tm, fake
+    try:
+        yield tm, fake
+    finally:
+        fake.close()
+        tm.close()
+        shutil.rmtree(port_args.run_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def backend():
-    tm, fake = _make_backend()
-    app = create_app(tm, {"context_len": CONTEXT_LEN})
-    with TestClient(app) as client:
-        yield client, fake
-    fake.close()
+    with fake_backend() as (tm, fake):
+        with TestClient(create_app(tm, {"context_len": CONTEXT_LEN})) as client:
+            yield client, fake
 
 
 @pytest.fixture
@@ -118,14 +125,10 @@ def test_stream_never_shows_a_stop_string_prefix(client):
 
 
 def test_stream_output_flag_gives_deltas():
-    tm, fake = _make_backend(stream_output=True)
-    try:
-        with TestClient(create_app(tm, {})) as c:
-            chunks = _sse(c.post("/generate", json={"text": "hi", "stream": True}))
-        assert "".join(ch["text"] for ch in chunks) == REPLY
-        assert sum(len(ch["output_ids"]) for ch in chunks) == len(REPLY.encode()) + 1
-    finally:
-        fake.close()
+    with fake_backend(stream_output=True) as (tm, fake), TestClient(create_app(tm, {})) as c:
+        chunks = _sse(c.post("/generate", json={"text": "hi", "stream": True}))
+    assert "".join(ch["text"] for ch in chunks) == REPLY
+    assert sum(len(ch["output_ids"]) for ch in chunks) == len(REPLY.encode()) + 1
 
 
 BAD_GENERATE = [
@@ -292,18 +295,14 @@ def test_info_endpoints(client):
 
 
 def test_api_key_and_metrics():
-    tm, fake = _make_backend(api_key="sekret", enable_metrics=True)
-    try:
-        with TestClient(create_app(tm, {})) as c:
-            for path in ("/health", "/get_model_info", "/v1/models", "/metrics"):
-                r = c.get(path)
-                assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-                assert c.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
-                assert c.get(path, headers={"Authorization": "Bearer sekret"}).status_code == 200
-            r = c.post("/generate", json={"text": "hi"}, headers={"Authorization": "Bearer sekret"})
-            assert r.json()["text"] == REPLY
-    finally:
-        fake.close()
+    with fake_backend(api_key="sekret", enable_metrics=True) as (tm, fake), TestClient(create_app(tm, {})) as c:
+        for path in ("/health", "/get_model_info", "/v1/models", "/metrics"):
+            r = c.get(path)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            assert c.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert c.get(path, headers={"Authorization": "Bearer sekret"}).status_code == 200
+        r = c.post("/generate", json={"text": "hi"}, headers={"Authorization": "Bearer sekret"})
+        assert r.json()["text"] == REPLY
 
 
 # ---------------------------------------------------------------------- aborts
@@ -313,10 +312,7 @@ class _GoneClient:
 
 
 def test_abort_on_disconnect_and_on_closed_stream():
-    tm, fake = _make_backend()
-    fake.hold = True
-
-    async def scenario():
+    async def scenario(tm):
         # Non-streaming: the client is gone; the request ends without output and is aborted.
         gen = tm.generate_request(GenerateReqInput(text="hi"), _GoneClient())
         assert [o async for o in gen] == []
@@ -328,23 +324,19 @@ def test_abort_on_disconnect_and_on_closed_stream():
         await asyncio.gather(task, return_exceptions=True)
         await gen.aclose()
 
-    try:
-        asyncio.run(scenario())
+    with fake_backend() as (tm, fake):
+        fake.hold = True
+        asyncio.run(scenario(tm))
         deadline = time.monotonic() + 5
         while len(fake.aborted) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(fake.received) == 2
         assert fake.aborted == [r.rid for r in fake.received]
         assert tm.rid_to_state == {}
-    finally:
-        fake.close()
 
 
 def test_dead_backend_fails_requests_with_503():
-    tm, fake = _make_backend()
-    fake.hold = True
-
-    async def scenario():
+    async def scenario(tm):
         task = asyncio.ensure_future(tm.generate_request(GenerateReqInput(text="hi")).__anext__())
         await asyncio.sleep(0.2)
         tm.mark_dead("scheduler died")
@@ -353,10 +345,9 @@ def test_dead_backend_fails_requests_with_503():
         with pytest.raises(ValueError, match="not healthy"):
             await tm.generate_request(GenerateReqInput(text="hi")).__anext__()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        fake.close()
+    with fake_backend() as (tm, fake):
+        fake.hold = True
+        asyncio.run(scenario(tm))
 
 
 # ---------------------------------------------------------------------- detokenizer
