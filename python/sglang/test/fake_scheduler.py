@@ -25,7 +25,7 @@ from sglang.srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from sglang.srt.server_args import PortArgs
-from sglang.srt.utils.zmq_utils import new_context
+from sglang.srt.utils.zmq_utils import shared_context
 
 MAX_TOTAL_TOKENS = 1000
 STREAM_STEP_S = 0.005
@@ -45,7 +45,7 @@ class FakeScheduler:
     aborted: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._ctx = new_context(1)
+        self._ctx = shared_context(1)
         self._recv = self._ctx.socket(zmq.PULL)
         self._recv.connect(self.port_args.scheduler_input_ipc_name)
         self._send = self._ctx.socket(zmq.PUSH)
@@ -60,7 +60,6 @@ class FakeScheduler:
         self._thread.join()
         self._recv.close(linger=0)
         self._send.close(linger=0)
-        self._ctx.term()
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -18,7 +18,7 @@ import zmq
 
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.server_args import PortArgs, ServerArgs
-from sglang.srt.utils.zmq_utils import new_context
+from sglang.srt.utils.zmq_utils import shared_context
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class DataParallelController:
     """Round-robin dispatch of generate requests; control messages go to every DP rank."""
 
     def __init__(self, server_args: ServerArgs, port_args: PortArgs):
-        ctx = new_context(1 + server_args.dp_size)
+        ctx = shared_context(1 + server_args.dp_size)
         self.recv_from_tokenizer = ctx.socket(zmq.PULL)
         self.recv_from_tokenizer.connect(port_args.scheduler_input_ipc_name)
         self.workers = []

@@ -17,7 +17,7 @@ import zmq
 
 from sglang.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut
 from sglang.srt.server_args import PortArgs, ServerArgs
-from sglang.srt.utils.zmq_utils import new_context
+from sglang.srt.utils.zmq_utils import shared_context
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> Non
     logging.basicConfig(level=server_args.log_level.upper(), format="[%(asctime)s Detokenizer] %(message)s")
     tokenizer = get_tokenizer(resolve_model_path(server_args.tokenizer_path), server_args.trust_remote_code)
     detokenizer = IncrementalDetokenizer(tokenizer)
-    ctx = new_context(2)
+    ctx = shared_context(2)
     recv_from_scheduler = ctx.socket(zmq.PULL)
     recv_from_scheduler.bind(port_args.detokenizer_ipc_name)
     send_to_tokenizer = ctx.socket(zmq.PUSH)

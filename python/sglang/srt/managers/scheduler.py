@@ -41,7 +41,7 @@ from sglang.srt.mem_cache.req_kv import ReqKVManager
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer, resolve_model_path
-from sglang.srt.utils.zmq_utils import new_context
+from sglang.srt.utils.zmq_utils import shared_context
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class Scheduler:
         # Only the entry rank of each DP rank talks to the other processes.
         self.recv_from_tokenizer = self.send_to_detokenizer = self.send_to_tokenizer = None
         if self.comm.is_entry_rank:
-            ctx = new_context(2)
+            ctx = shared_context(2)
             self.recv_from_tokenizer = ctx.socket(zmq.PULL)
             dp_input = server_args.dp_size > 1
             self.recv_from_tokenizer.connect(
