@@ -40,7 +40,7 @@ from sglang.srt.managers.io_struct import (
 from sglang.srt.metrics.collector import MetricsCollector
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import PortArgs, ServerArgs
-from sglang.srt.utils.zmq_utils import new_async_context, new_context
+from sglang.srt.utils.zmq_utils import shared_async_context, shared_context
 
 logger = logging.getLogger(__name__)
 
@@ -186,10 +186,10 @@ class TokenizerManager:
         self.context_len = 0
         self.max_req_input_len = 0
 
-        self._send_ctx = new_context(1)
+        self._send_ctx = shared_context(1)
         self.send_to_scheduler = self._send_ctx.socket(zmq.PUSH)
         self.send_to_scheduler.bind(port_args.scheduler_input_ipc_name)
-        self._recv_ctx = new_async_context(1)
+        self._recv_ctx = shared_async_context(1)
         self.recv_from_detokenizer = self._recv_ctx.socket(zmq.PULL)
         self.recv_from_detokenizer.bind(port_args.tokenizer_ipc_name)
 
@@ -356,8 +356,6 @@ class TokenizerManager:
             loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
         self.send_to_scheduler.close(linger=0)
         self.recv_from_detokenizer.close(linger=0)
-        self._send_ctx.term()
-        self._recv_ctx.term()
 
     # ------------------------------------------------------------------ receiving
     def _ensure_handle_loop(self) -> None:
