@@ -44,6 +44,9 @@ from sglang.srt.utils.zmq_utils import shared_async_context, shared_context
 
 logger = logging.getLogger(__name__)
 
+# A send to the scheduler waits at most this long for a connected peer (then the request fails).
+_SEND_TIMEOUT_MS = 5000
+
 # How often a waiting non-streaming request checks whether its HTTP client went away.
 _DISCONNECT_POLL_S = 1.0
 _CONTROL_TIMEOUT_S = 60.0
@@ -188,6 +191,7 @@ class TokenizerManager:
 
         self._send_ctx = shared_context(1)
         self.send_to_scheduler = self._send_ctx.socket(zmq.PUSH)
+        self.send_to_scheduler.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         self.send_to_scheduler.bind(port_args.scheduler_input_ipc_name)
         self._recv_ctx = shared_async_context(1)
         self.recv_from_detokenizer = self._recv_ctx.socket(zmq.PULL)
@@ -283,7 +287,9 @@ class TokenizerManager:
         self.rid_to_state[req.rid] = state
         if self.server_args.log_requests:
             logger.info("Request %s: %d prompt tokens, %s", req.rid, len(req.input_ids), req.sampling_params)
-        self.send_to_scheduler.send_pyobj(req)
+        if not self._send_to_scheduler(req):
+            state.error = "The scheduler is not reachable"
+            state.event.set()
         try:
             while True:
                 try:
@@ -316,24 +322,35 @@ class TokenizerManager:
                 self.abort_request(req.rid)
             self.rid_to_state.pop(req.rid, None)
 
+    def _send_to_scheduler(self, msg) -> bool:
+        """Bounded: a PUSH socket whose peer has died would otherwise block the event loop forever."""
+        if self.dead_reason is not None:
+            return False
+        try:
+            self.send_to_scheduler.send_pyobj(msg)
+            return True
+        except zmq.Again:
+            logger.warning("Could not send %s: the scheduler is not reachable", type(msg).__name__)
+            return False
+
     def abort_request(self, rid: str) -> None:
         if self.rid_to_state.pop(rid, None) is not None:
             logger.info("Aborted request %s", rid)
             if self.metrics is not None:
                 self.metrics.num_aborted_requests.inc()
-            self.send_to_scheduler.send_pyobj(AbortReq(rid))
+            self._send_to_scheduler(AbortReq(rid))
 
     # ------------------------------------------------------------------ control
     async def flush_cache(self) -> bool:
         self._ensure_handle_loop()
-        replies = await self._collectors[FlushCacheReqOutput].request(self.send_to_scheduler.send_pyobj, FlushCacheReq())
+        replies = await self._collectors[FlushCacheReqOutput].request(self._send_to_scheduler, FlushCacheReq())
         return all(r.success for r in replies)
 
     async def get_internal_state(self) -> list[dict[str, Any]]:
         """One dict per DP rank, ordered by dp_rank."""
         self._ensure_handle_loop()
         collector = self._collectors[GetInternalStateReqOutput]
-        replies = await collector.request(self.send_to_scheduler.send_pyobj, GetInternalStateReq())
+        replies = await collector.request(self._send_to_scheduler, GetInternalStateReq())
         return sorted((r.internal_state for r in replies), key=lambda s: s.get("dp_rank", 0))
 
     def mark_dead(self, reason: str) -> None:
