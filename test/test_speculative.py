@@ -236,3 +236,15 @@ def test_speculative_defaults_and_validation():
         _spec_args(speculative_algorithm="EAGLE")
     with pytest.raises(ValueError, match="not supported yet"):
         _spec_args(speculative_algorithm="EAGLE3", speculative_draft_model_path="d").check_launchable()
+
+
+def test_nan_detection_flags_non_finite_verify_logits():
+    from sglang.srt.layers.sampler import NAN_TOKEN_ID
+    from sglang.srt.managers.tp_worker import GenerationResult
+    from sglang.srt.speculative.eagle_worker import EAGLEWorker
+
+    logits = torch.zeros(2, 3, 5)
+    logits[1, 2, 4] = float("nan")
+    result = GenerationResult([[1, 2], [3, 4, 5]], [2, 3], accepted_draft_tokens=[1, 2])
+    EAGLEWorker._flag_non_finite(logits, result)
+    assert result.next_token_ids == [[1, 2], [NAN_TOKEN_ID]]

@@ -30,7 +30,7 @@ import torch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-from sglang.srt.layers.sampler import Sampler, SamplingBatchInfo
+from sglang.srt.layers.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.tp_worker import GenerationResult, TpModelWorker
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -79,6 +79,7 @@ class EAGLEWorker:
         self.steps = server_args.speculative_num_steps
         self.topk = server_args.speculative_eagle_topk
         self.num_draft = server_args.speculative_num_draft_tokens
+        self.detect_nan = server_args.enable_nan_detection
         self.sizes = SpecSizes(self.steps, self.topk, self.num_draft)
         target_runner = target_worker.runner
         self.hidden_size = target_runner.model_config.hidden_size
@@ -377,7 +378,18 @@ class EAGLEWorker:
         )
         if any(r.return_logprob for r in reqs):
             self._logprobs(reqs, logits, paths, emitted, result)
+        if self.detect_nan:
+            self._flag_non_finite(logits.view(bs, n, -1), result)
         return paths, bonus, result
+
+    @staticmethod
+    def _flag_non_finite(logits: torch.Tensor, result: GenerationResult) -> None:
+        """--enable-nan-detection: a request whose verify logits are not finite emits only
+        NAN_TOKEN_ID, which the scheduler turns into an error finish (never sampled silently)."""
+        bad = (~torch.isfinite(logits).all(dim=-1)).any(dim=-1).tolist()
+        for b, is_bad in enumerate(bad):
+            if is_bad:
+                result.next_token_ids[b] = [NAN_TOKEN_ID]
 
     def _uniforms(self, reqs: list[Req], n: int) -> torch.Tensor:
         u = torch.rand((len(reqs), n), device=self.device)
