@@ -25,7 +25,6 @@ from transformers import PretrainedConfig
 from sglang.srt.distributed.parallel_state import get_attn_tp, tensor_model_parallel_all_reduce
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.deepseek_rotary import yarn_get_mscale
-from sglang.srt.layers.dp_attention import mlp_over_dp
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
@@ -39,6 +38,7 @@ from sglang.srt.layers.moe.topk import RoutingConfig
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import get_rope, get_rope_params
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglang.srt.models.decoder_layer import PreNormDecoderLayer
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 
@@ -205,30 +205,13 @@ class DeepseekV2Attention(nn.Module):
         return self.o_proj(o.flatten(1))
 
 
-class DeepseekV2DecoderLayer(nn.Module):
+class DeepseekV2DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: PretrainedConfig, attn_layer_id: int, moe: bool):
         super().__init__()
         self.self_attn = DeepseekV2Attention(config, attn_layer_id)
         self.mlp = DeepseekV2MoE(config) if moe else DeepseekV2MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        forward_batch: ForwardBatch,
-        residual: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (mlp output, residual stream before it); the caller adds them."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return mlp_over_dp(self.mlp, hidden_states, forward_batch), residual
 
 
 class DeepseekV2Model(nn.Module):

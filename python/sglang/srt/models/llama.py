@@ -15,13 +15,13 @@ from transformers import PretrainedConfig
 
 from sglang.srt.distributed.parallel_state import get_attn_tp
 from sglang.srt.layers.activation import SiluAndMul
-from sglang.srt.layers.dp_attention import mlp_over_dp
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import get_rope, get_rope_params
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglang.srt.models.decoder_layer import PreNormDecoderLayer
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import load_weights_into
 
@@ -72,30 +72,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: PretrainedConfig, layer_id: int, qkv_bias: bool = False):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, qkv_bias)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        forward_batch: ForwardBatch,
-        residual: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (mlp output, residual stream before it); the caller adds them."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return mlp_over_dp(self.mlp, hidden_states, forward_batch), residual
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,32 @@
+"""The pre-norm decoder layer step shared by the Llama and DeepSeek families."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.dp_attention import mlp_over_dp
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+
+class PreNormDecoderLayer(nn.Module):
+    """Subclasses set self_attn, mlp, input_layernorm and post_attention_layernorm."""
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        forward_batch: ForwardBatch,
+        residual: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual stream before it); the caller adds them."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return mlp_over_dp(self.mlp, hidden_states, forward_batch), residual
