@@ -19,7 +19,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Iterator, Optional, Union
 
 from sglang.srt.managers.data_parallel_controller import start_scheduler_side
-from sglang.srt.managers.io_struct import SchedulerReady
+from sglang.srt.managers.io_struct import ProfileReq, SchedulerReady
 from sglang.srt.managers.tokenizer_manager import GenerateReqInput, TokenizerManager, final_output, incremental_outputs
 from sglang.srt.server_args import PortArgs, ServerArgs
 
@@ -198,6 +198,20 @@ class Engine:
 
     def flush_cache(self) -> bool:
         return self.loop.run_until_complete(self.tokenizer_manager.flush_cache())
+
+    def start_profile(
+        self, output_dir: Optional[str] = None, num_steps: Optional[int] = None, activities: Optional[list[str]] = None
+    ) -> None:
+        """Torch profiler on every rank; traces are written on stop_profile (or after num_steps)."""
+        self._profile(ProfileReq("start", output_dir, num_steps, activities))
+
+    def stop_profile(self) -> None:
+        self._profile(ProfileReq("stop"))
+
+    def _profile(self, req: ProfileReq) -> None:
+        ok, message = self.loop.run_until_complete(self.tokenizer_manager.profile(req))
+        if not ok:
+            raise RuntimeError(message)
 
     def shutdown(self) -> None:
         if self._closed:

@@ -28,6 +28,7 @@ from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, Comple
 from sglang.srt.entrypoints.openai.serving_base import error_response, sse_response, start_stream
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sglang.srt.managers.io_struct import ProfileReq
 from sglang.srt.managers.tokenizer_manager import (
     GenerateReqInput,
     RequestError,
@@ -41,6 +42,14 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 << 20
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+_PROFILE_OPTIONS = {"output_dir", "num_steps", "activities"}
+
+
+async def _profile_response(tokenizer_manager: TokenizerManager, req: ProfileReq) -> Response:
+    ok, message = await tokenizer_manager.profile(req)
+    return PlainTextResponse(message + "\n") if ok else error_response(message, 400)
 
 
 def create_app(tokenizer_manager: TokenizerManager, scheduler_info: dict[str, Any]) -> FastAPI:
@@ -80,6 +89,18 @@ def create_app(tokenizer_manager: TokenizerManager, scheduler_info: dict[str, An
         if await tokenizer_manager.flush_cache():
             return PlainTextResponse("Cache flushed.\n")
         return error_response("Cache not flushed: requests are running", 400)
+
+    @app.post("/start_profile")
+    async def start_profile(request: Request) -> Response:
+        body = await request.body()
+        options = json.loads(body) if body.strip() else {}
+        if not isinstance(options, dict) or set(options) - _PROFILE_OPTIONS:
+            return error_response(f"/start_profile takes a JSON object with keys among {sorted(_PROFILE_OPTIONS)}", 400)
+        return await _profile_response(tokenizer_manager, ProfileReq("start", **options))
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> Response:
+        return await _profile_response(tokenizer_manager, ProfileReq("stop"))
 
     @app.post("/generate")
     async def generate(obj: GenerateReqInput, request: Request) -> Response:

@@ -39,6 +39,22 @@ class FlushCacheReqOutput:
 
 
 @dataclass
+class ProfileReq:
+    """Start or stop the torch profiler on every rank."""
+
+    action: str  # "start" or "stop"
+    output_dir: Optional[str] = None
+    num_steps: Optional[int] = None  # stop by itself after this many forward iterations
+    activities: Optional[list[str]] = None  # "CPU" and/or "GPU" (default both)
+
+
+@dataclass
+class ProfileReqOutput:
+    success: bool
+    message: str
+
+
+@dataclass
 class GetInternalStateReq:
     pass
 

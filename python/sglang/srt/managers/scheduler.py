@@ -30,11 +30,14 @@ from sglang.srt.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    ProfileReq,
+    ProfileReqOutput,
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting
+from sglang.srt.managers.scheduler_profiler import SchedulerProfiler
 from sglang.srt.managers.tp_worker import GenerationResult, TpModelWorker
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.req_kv import ReqKVManager
@@ -105,6 +108,8 @@ class Scheduler:
 
         self.globally_idle = True
         self.iterations = 0
+        dp_label = f"DP{self.dp_rank}-" if self.dp_rank is not None else ""
+        self.profiler = SchedulerProfiler(f"{dp_label}TP{tp_rank}")
         # Only the entry rank of each DP rank talks to the other processes.
         self.recv_from_tokenizer = self.send_to_detokenizer = self.send_to_tokenizer = None
         if self.comm.is_entry_rank:
@@ -150,6 +155,7 @@ class Scheduler:
             batch, plan = self.agree_on_plan(batch)
         if batch is not None:
             self.run_and_process(batch, plan)
+            self.profiler.step()
 
     def recv_requests(self, block: bool) -> list:
         """Drain the entry rank's socket (waiting briefly when there is nothing to do)."""
@@ -197,6 +203,8 @@ class Scheduler:
             self.reply(FlushCacheReqOutput(self.flush_cache()))
         elif isinstance(msg, GetInternalStateReq):
             self.reply(GetInternalStateReqOutput(self.internal_state()))
+        elif isinstance(msg, ProfileReq):
+            self.reply(ProfileReqOutput(*self.profiler.handle(msg)))
         else:
             logger.error("Scheduler got an unknown message: %r", type(msg))
 

@@ -34,6 +34,8 @@ from sglang.srt.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    ProfileReq,
+    ProfileReqOutput,
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
@@ -205,6 +207,7 @@ class TokenizerManager:
         self._collectors: dict[type, _ReplyCollector] = {
             FlushCacheReqOutput: _ReplyCollector(server_args.dp_size),
             GetInternalStateReqOutput: _ReplyCollector(server_args.dp_size),
+            ProfileReqOutput: _ReplyCollector(server_args.dp_size),
         }
 
     def set_scheduler_info(self, ready: SchedulerReady) -> None:
@@ -352,6 +355,13 @@ class TokenizerManager:
         collector = self._collectors[GetInternalStateReqOutput]
         replies = await collector.request(self._send_to_scheduler, GetInternalStateReq())
         return sorted((r.internal_state for r in replies), key=lambda s: s.get("dp_rank", 0))
+
+    async def profile(self, req: ProfileReq) -> tuple[bool, str]:
+        """Start or stop the torch profiler on every rank; fails if any DP rank refused."""
+        self._ensure_handle_loop()
+        replies = await self._collectors[ProfileReqOutput].request(self._send_to_scheduler, req)
+        failed = [r.message for r in replies if not r.success]
+        return (False, failed[0]) if failed else (True, replies[0].message)
 
     def mark_dead(self, reason: str) -> None:
         """A subprocess died: fail every waiting request and refuse new ones. Thread-safe."""

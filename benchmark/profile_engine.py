@@ -1,0 +1,51 @@
+"""Profile an engine's iterations with the torch profiler (the scheduler's /start_profile).
+
+Runs a warm-up request, then profiles --num-steps forward iterations of one batch and prints
+each rank's op tables (device time, then host time); the traces stay in --output-dir.
+
+    python benchmark/profile_engine.py --model-path bench_models/deepseek-v3-mtp --batch-size 1 \\
+        -- --disable-cuda-graph --speculative-algorithm NEXTN
+
+Flags after `--` go to the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import tempfile
+
+import sglang as sgl
+from sglang.srt.server_args import prepare_server_args
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    engine_argv = argv[argv.index("--") + 1 :] if "--" in argv else []
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--num-steps", type=int, default=20, help="forward iterations to profile")
+    parser.add_argument("--output-dir", default=None, help="default: a new temporary directory")
+    parser.add_argument("--rows", type=int, default=30, help="rows of each table to print")
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    server_args = prepare_server_args(["--model-path", args.model_path, *engine_argv])
+    out_dir = args.output_dir or tempfile.mkdtemp(prefix="profile-")
+    prompts = [[(7 * b + i) % 1000 + 10 for i in range(args.input_len)] for b in range(args.batch_size)]
+    params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+    with sgl.Engine(**vars(server_args)) as engine:
+        engine.generate(input_ids=prompts, sampling_params=params)  # warm-up (kernel compilation)
+        engine.start_profile(output_dir=out_dir, num_steps=args.num_steps)
+        engine.generate(input_ids=prompts, sampling_params=params)
+    for path in sorted(glob.glob(os.path.join(out_dir, "*.txt"))):
+        print(f"==== {path}")
+        for table in open(path).read().split("sorted by ")[1:]:
+            print("sorted by " + "\n".join(table.splitlines()[: args.rows + 4]))
+
+
+if __name__ == "__main__":
+    main()
