@@ -61,3 +61,18 @@ def test_evict_cascades_to_parents():
     assert cache.evict(16) == 4
     assert alloc.available_size() == 16
     assert cache.evictable_size == 0 and not cache.root.children
+
+
+def test_allocator_reuses_freed_slots_once_the_free_list_runs_out():
+    alloc = TokenToKVPoolAllocator(8, "cpu")
+    first = alloc.alloc(6)
+    alloc.free(first[:4])
+    assert alloc.available_size() == 6
+    rest = alloc.alloc(2)  # served from the untouched range
+    assert rest.tolist() == [7, 8]
+    again = alloc.alloc(4)  # the range is empty: the freed slots come back
+    assert sorted(again.tolist()) == sorted(first[:4].tolist())
+    assert alloc.alloc(1) is None and alloc.available_size() == 0
+    alloc.free(again)
+    alloc.clear()
+    assert alloc.available_size() == 8 and alloc.alloc(8).tolist() == list(range(1, 9))

@@ -34,7 +34,11 @@ class ReqToTokenPool:
 
 
 class TokenToKVPoolAllocator:
-    """Free list of KV slots 1..size (slot 0 is the dummy slot)."""
+    """Free list of KV slots 1..size (slot 0 is the dummy slot).
+
+    free() only queues the slots (O(freed)); they join the free list when alloc() runs out
+    of it. Copying the whole free list on every free cost 100 ms per call on a 170M-slot
+    pool (a small model on an H200), and speculative decoding frees slots every cycle."""
 
     def __init__(self, size: int, device: str):
         self.size = size
@@ -43,19 +47,29 @@ class TokenToKVPoolAllocator:
 
     def clear(self) -> None:
         self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device="cpu")
+        self.released: list[torch.Tensor] = []
+        self.num_released = 0
 
     def available_size(self) -> int:
-        return len(self.free_slots)
+        return len(self.free_slots) + self.num_released
 
     def alloc(self, n: int) -> torch.Tensor | None:
         if n > len(self.free_slots):
-            return None
+            self._merge_released()
+            if n > len(self.free_slots):
+                return None
         out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
         return out.to(self.device)
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            self.free_slots = torch.cat([self.free_slots, slots.to("cpu", torch.int64)])
+            self.released.append(slots.to("cpu", torch.int64))
+            self.num_released += slots.numel()
+
+    def _merge_released(self) -> None:
+        if self.released:
+            self.free_slots = torch.cat([self.free_slots, *self.released])
+            self.released, self.num_released = [], 0
 
 
 class KVPool(ABC):
