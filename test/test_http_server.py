@@ -294,6 +294,21 @@ def test_info_endpoints(client):
     assert client.get("/metrics").status_code == 404  # only with --enable-metrics
 
 
+def test_profile_endpoints(client, tmp_path):
+    out = str(tmp_path / "prof")
+    assert client.post("/stop_profile").json()["error"]["message"] == "the profiler is not running"
+    assert client.post("/start_profile", json={"oops": 1}).status_code == 400
+    assert client.post("/start_profile", json={"activities": ["TPU"]}).status_code == 400
+    r = client.post("/start_profile", json={"output_dir": out, "activities": ["CPU"]})
+    assert r.status_code == 200 and out in r.text
+    assert client.post("/start_profile").status_code == 400  # already running
+    assert client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+    assert client.post("/stop_profile").status_code == 200
+    files = sorted(p.name for p in (tmp_path / "prof").iterdir())
+    assert [f.split("-TP0")[1] for f in files] == [".trace.json.gz", ".txt"]
+    assert "sorted by self_cpu_time_total" in (tmp_path / "prof" / files[1]).read_text()
+
+
 def test_api_key_and_metrics():
     with fake_backend(api_key="sekret", enable_metrics=True) as (tm, fake), TestClient(create_app(tm, {})) as c:
         for path in ("/health", "/get_model_info", "/v1/models", "/metrics"):

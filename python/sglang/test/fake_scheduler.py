@@ -22,8 +22,11 @@ from sglang.srt.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    ProfileReq,
+    ProfileReqOutput,
     TokenizedGenerateReqInput,
 )
+from sglang.srt.managers.scheduler_profiler import SchedulerProfiler
 from sglang.srt.server_args import PortArgs
 from sglang.srt.utils.zmq_utils import shared_context
 
@@ -51,6 +54,7 @@ class FakeScheduler:
         self._send = self._ctx.socket(zmq.PUSH)
         self._send.connect(self.port_args.tokenizer_ipc_name)
         self._detok = IncrementalDetokenizer(self.tokenizer)
+        self.profiler = SchedulerProfiler("TP0")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -74,6 +78,8 @@ class FakeScheduler:
                 self.aborted.append(msg.rid)
             elif isinstance(msg, FlushCacheReq):
                 self._send.send_pyobj(FlushCacheReqOutput(True))
+            elif isinstance(msg, ProfileReq):
+                self._send.send_pyobj(ProfileReqOutput(*self.profiler.handle(msg)))
             elif isinstance(msg, GetInternalStateReq):
                 state = {
                     "dp_rank": 0,

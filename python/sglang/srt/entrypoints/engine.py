@@ -55,16 +55,15 @@ class Subprocesses:
         self._monitor.start()
 
     def shutdown(self) -> None:
-        from sglang.srt.utils.process import kill_process_tree
+        from sglang.srt.utils.process import kill_process_trees
 
         if self._stopping:
             return
         self._stopping = True
         self._stop_w.send(None)
-        for proc in reversed(self.procs):
-            if proc.pid is not None:
-                kill_process_tree(proc.pid, include_parent=True)
-                proc.join(5)
+        kill_process_trees([proc.pid for proc in self.procs if proc.pid is not None])
+        for proc in self.procs:
+            proc.join(5)
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 

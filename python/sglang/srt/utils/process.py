@@ -66,9 +66,16 @@ def pid_alive(pid: int) -> bool:
 def kill_process_tree(pid: int, include_parent: bool = True, timeout: float = 5.0) -> None:
     """SIGTERM the descendants of `pid` (and `pid` itself if include_parent), then SIGKILL
     whatever is still alive after `timeout` seconds."""
-    victims = descendant_pids(pid)
-    if include_parent and pid != os.getpid():
-        victims.append(pid)
+    kill_process_trees([pid], include_parent, timeout)
+
+
+def kill_process_trees(pids: list[int], include_parent: bool = True, timeout: float = 5.0) -> None:
+    """kill_process_tree for several roots at once: every process gets its SIGTERM in one
+    pass, so that ranks blocked in a collective die together instead of one by one (a
+    survivor would report its peer's disappearance as a crash)."""
+    victims = [v for pid in pids for v in descendant_pids(pid)]
+    if include_parent:
+        victims += [pid for pid in pids if pid != os.getpid()]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for victim in victims:
             try:
@@ -81,8 +88,8 @@ def kill_process_tree(pid: int, include_parent: bool = True, timeout: float = 5.
         victims = [v for v in victims if pid_alive(v)]
         if not victims:
             break
-    if include_parent and pid == os.getpid():
-        os.kill(pid, signal.SIGKILL)
+    if include_parent and os.getpid() in pids:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def watch_parent(parent_pid: Optional[int] = None) -> None:
