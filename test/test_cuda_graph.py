@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
@@ -63,6 +64,35 @@ def test_padded_batch_size():
     assert [padded_batch_size(b, captured, False) for b in range(10)] == [None, 1, 2, 4, 4, 8, 8, 8, 8, None]
     # --disable-cuda-graph-padding: exact sizes only
     assert [padded_batch_size(b, captured, True) for b in range(10)] == [None, 1, 2, None, 4, None, None, None, 8, None]
+
+
+def test_dp_key_comes_from_the_plan_alone():
+    """Under DP attention every rank replays the graph of the largest DP rank's batch."""
+    table = ReqToTokenPool(16, 64, "cpu")
+    graphs = CudaGraphRunner(_runner_stub(table), {DECODE: 1}, [1, 2, 4, 8], disable_padding=False, dp_size=2)
+    assert graphs.dp_key(DECODE, [3, 1]) == GraphKey(DECODE, 4, 1)
+    assert graphs.dp_key(DECODE, [0, 5]) == GraphKey(DECODE, 8, 1)
+    assert graphs.dp_key(DECODE, [9, 1]) is None  # larger than every graph: all ranks eager
+    assert graphs.dp_key(ForwardMode.EXTEND, [3, 1]) is None  # a rank extends: all eager
+    exact = CudaGraphRunner(_runner_stub(table), {DECODE: 1}, [1, 2, 4, 8], disable_padding=True, dp_size=2)
+    assert exact.dp_key(DECODE, [3, 1]) is None and exact.dp_key(DECODE, [4, 1]) == GraphKey(DECODE, 4, 1)
+
+
+def test_dp_key_for_decode_and_idle_ranks():
+    table = ReqToTokenPool(16, 64, "cpu")
+    graphs = CudaGraphRunner(_runner_stub(table), {DECODE: 1}, [1, 2, 4], disable_padding=False, dp_size=2)
+    busy = _decode_fb([0, 1, 2], [5] * 3, [1] * 3, [1, 2, 3])
+    idle = _decode_fb([], [], [], [])
+    idle.mode = ForwardMode.IDLE
+    for fb in (busy, idle):
+        fb.global_num_tokens, fb.global_forward_mode = [3, 0], DECODE
+        assert _choice(graphs, fb, table) == GraphKey(DECODE, 4, 1)
+    busy.global_forward_mode = ForwardMode.EXTEND
+    assert _choice(graphs, busy, table) is None
+    # The padded batch carries every rank's padded rows and the agreed mode.
+    padded = StaticInputs(4, 1, "cpu", dp_size=2).load(idle, GraphKey(DECODE, 4, 1))
+    assert padded.global_num_tokens == [4, 4] and padded.global_forward_mode == DECODE
+    assert padded.out_cache_loc.tolist() == [PAD_KV_SLOT] * 4
 
 
 # ---------------------------------------------------------------------- static inputs
@@ -127,8 +157,8 @@ def test_key_for_picks_padded_decode_graph_or_eager():
     hidden.capture_hidden_mode = CaptureHiddenMode.LAST
     assert _choice(graphs, hidden, table) is None
     dp = fb(2)
-    dp.global_num_tokens = [2, 0]
-    assert _choice(graphs, dp, table) is None
+    dp.global_num_tokens, dp.global_forward_mode = [2, 0], DECODE
+    assert _choice(graphs, dp, table) is None  # a runner built without DP attention
     # A table replaced after capture (graphs hold the old address): eager.
     assert _choice(graphs, fb(2), ReqToTokenPool(16, 128, "cpu")) is None
     exact = CudaGraphRunner(_runner_stub(table), {DECODE: 1}, [1, 2, 4], disable_padding=True)
@@ -145,9 +175,10 @@ def make_runner(path: str, device: str, dtype: str, **args) -> ModelRunner:
 
 
 class HandDriver:
-    """Requests driven through a ModelRunner by hand: one prefill, then decode batches."""
+    """Requests driven through a ModelRunner by hand: one prefill, then decode batches.
+    Under DP attention the prefill needs every DP rank's token count."""
 
-    def __init__(self, runner: ModelRunner, prompts: list[list[int]]):
+    def __init__(self, runner: ModelRunner, prompts: list[list[int]], global_prefill_tokens: Optional[list[int]] = None):
         self.runner, self.device = runner, runner.device
         self.rows = [runner.req_to_token_pool.alloc() for _ in prompts]
         self.seqs = [list(p) for p in prompts]
@@ -169,6 +200,7 @@ class HandDriver:
             extend_seq_lens=t(lens),
             seq_lens_cpu=lens,
             extend_seq_lens_cpu=list(lens),
+            global_num_tokens=global_prefill_tokens,
         )
         self.next_tokens = runner.forward_eager(fb).next_token_logits.argmax(-1).tolist()
 
@@ -266,6 +298,54 @@ def test_captured_work_matches_eager_triton(tiny_llama_dir):
         out = graphs._run(graphs.inputs.batch(key), key).next_token_logits
         torch.testing.assert_close(out[:3], eager, rtol=1e-4, atol=1e-4)
         driver.next_tokens = eager.argmax(-1).tolist()
+
+
+def _dp_captured_work_worker(rank: int, world: int, path: str) -> None:
+    """Rank 0 decodes 3 requests, rank 1 decodes 1 and then idles: both replay the batch-4
+    graph's work with [4, 4] gathered rows and match eager (which gathers [3, 1] / [3, 0])."""
+    if INTERPRETED:
+        import test_triton_kernels  # noqa: F401
+    from sglang.srt.distributed.parallel_state import initialize_model_parallel
+
+    initialize_model_parallel(2, rank, dp_size=2, enable_dp_attention=True)
+    args = ServerArgs(
+        model_path=path, device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=16,
+        attention_backend="triton", disable_cuda_graph=True, tp_size=2, dp_size=2, enable_dp_attention=True,
+    )
+    runner = ModelRunner(ModelConfig(path, dtype="float32", device="cpu"), args, gpu_id=0, tp_rank=rank, tp_size=2)
+    graphs = CudaGraphRunner(runner, {DECODE: 1}, [1, 2, 4], disable_padding=False, dp_size=2)
+    width = runner.req_to_token_pool.req_to_token.shape[1]
+    runner.attn_backend.init_cuda_graph_state(4, 4 * width, torch.device("cpu"))
+    prompts = PROMPTS if rank == 0 else PROMPTS[:1]
+    driver = HandDriver(runner, prompts, global_prefill_tokens=[sum(map(len, PROMPTS)), len(PROMPTS[0])])
+    for step in range(3):
+        idle = rank == 1 and step == 2
+        fb = _idle_fb() if idle else driver.decode_batch()
+        fb.global_num_tokens, fb.global_forward_mode = [3, 0 if step == 2 else 1], DECODE
+        runner.attach(fb)
+        key = graphs.key_for(fb)
+        assert key == GraphKey(DECODE, 4, 1)
+        before = _kv_snapshot(runner)
+        eager = runner.forward_eager(fb).next_token_logits
+        _kv_restore(runner, before)
+        graphs.inputs.load(fb, key)
+        out = graphs._run(graphs.inputs.batch(key), key).next_token_logits
+        torch.testing.assert_close(out[: fb.batch_size], eager, rtol=1e-4, atol=1e-4)
+        if not idle:
+            driver.next_tokens = eager.argmax(-1).tolist()
+
+
+def _idle_fb() -> ForwardBatch:
+    fb = _decode_fb([], [], [], [])
+    fb.mode = ForwardMode.IDLE
+    return fb
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess (two gloo ranks)")
+def test_captured_work_matches_eager_triton_dp_attention(tiny_llama_dir):
+    from sglang.test.dist_utils import spawn_gloo
+
+    spawn_gloo(_dp_captured_work_worker, 2, tiny_llama_dir)
 
 
 # ---------------------------------------------------------------------- CUDA: replay equals eager

@@ -1,7 +1,7 @@
 """GPU validation of speculative decoding and of TP / DP attention (NCCL).
 
-With --gpus 2: greedy tokens under TP, DP attention and NEXTN + DP attention equal the
-single-GPU plain run, a perfect draft accepts steps + 1 on every DP rank, and decode
+With --gpus 2: greedy tokens under TP, DP attention (eager and with decode CUDA graphs) and
+NEXTN + DP attention equal the single-GPU plain run, a perfect draft accepts steps + 1 on every DP rank, and decode
 throughput of tp2 against tp2 + dp2 on a DeepSeek-V2-Lite-shaped dummy model.
 With --gpus 1: the same speculative checks (NEXTN chain and tree, EAGLE, perfect draft) on one
 GPU with the Triton backend.
@@ -69,6 +69,7 @@ def main() -> None:
         if args.gpus == 2:
             rows.append(check(f"{name} tp2", path, references[name], dtype="float32", tp_size=2, disable_cuda_graph=True))
             rows.append(check(f"{name} {where}", path, references[name], dtype="float32", disable_cuda_graph=True, **DP_ATTN))
+            rows.append(check(f"{name} {where} cuda graphs", path, references[name], dtype="float32", **DP_ATTN))
     for topk, tokens in ((1, 4), (4, 8)):
         spec = {**NEXTN, "speculative_eagle_topk": topk, "speculative_num_draft_tokens": tokens}
         rows.append(check(f"dsv3 NEXTN topk{topk} {where}", dsv3, references["dsv3"], dtype="float32", disable_cuda_graph=True, **parallel, **spec))
@@ -88,6 +89,7 @@ def main() -> None:
              "--batch-sizes", "64", "--output-len", "32", "--repeats", "2", "--result-file", os.path.join(args.out, "tp_dp_throughput.jsonl"), "--"]
     for extra in (["--tp-size", "2", "--disable-cuda-graph"],
                   ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--disable-cuda-graph"],
+                  ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"],
                   ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--disable-cuda-graph", "--speculative-algorithm", "NEXTN"]):
         print("throughput:", " ".join(extra), flush=True)
         subprocess.run(bench + extra, timeout=240, check=False)

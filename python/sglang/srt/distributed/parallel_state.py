@@ -139,6 +139,16 @@ def get_cpu_group() -> Optional[dist.ProcessGroup]:
     return _state.cpu_group
 
 
+def min_over_ranks(value: int) -> int:
+    """The smallest `value` of all ranks of the replica (a startup agreement, on the CPU group)."""
+    group = get_cpu_group()
+    if group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return _state.tp.all_reduce(x)
 

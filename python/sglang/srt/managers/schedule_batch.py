@@ -94,6 +94,8 @@ class ScheduleBatch:
     prefix_lens: list[int] = field(default_factory=list)
     # DP attention: tokens of every DP rank in this forward (from the iteration's all-gather).
     global_num_tokens: Optional[list[int]] = None
+    # DP attention: DECODE when no DP rank extends this iteration (decode graphs may replay).
+    global_forward_mode: Optional[ForwardMode] = None
 
     @classmethod
     def idle(cls) -> "ScheduleBatch":
@@ -137,4 +139,5 @@ class ScheduleBatch:
             seq_lens_cpu=list(self.seq_lens),
             extend_seq_lens_cpu=list(self.extend_lens),
             global_num_tokens=self.global_num_tokens,
+            global_forward_mode=self.global_forward_mode,
         )

@@ -185,8 +185,11 @@ class Scheduler:
             return None, None
         batch = batch or ScheduleBatch.idle()
         batch.global_num_tokens = plan.global_num_tokens
+        batch.global_forward_mode = ForwardMode.EXTEND if plan.any_extend else ForwardMode.DECODE
         if self.server_args.debug_collectives:
-            descriptor = {"global_num_tokens": plan.global_num_tokens, "cuda_graph": False}
+            graphs = self.runner.graph_runner
+            key = graphs.dp_key(batch.global_forward_mode, plan.global_num_tokens) if graphs else None
+            descriptor = {"global_num_tokens": plan.global_num_tokens, "cuda_graph": str(key)}
             if self.spec_worker is not None:
                 descriptor["sub_forwards"] = self.spec_worker.planned_sub_forwards(plan)
             self.comm.check_agreement(

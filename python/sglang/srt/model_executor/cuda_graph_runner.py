@@ -12,7 +12,10 @@ Invariants:
   tokens per request), so a padded row never writes a real request's KV;
 - graphs copy their outputs into static output buffers; `replay` returns fresh copies, so
   nothing handed to callers aliases memory a later replay overwrites;
-- choosing a graph reads host values only (no device sync).
+- choosing a graph reads host values only (no device sync);
+- under DP attention the choice depends only on the iteration plan (the same on every rank):
+  when no DP rank extends, every rank replays the decode graph padded to the largest DP
+  rank's batch, idle ranks included, so the gathers inside the graphs line up.
 """
 
 from __future__ import annotations
@@ -116,7 +119,9 @@ def padded_batch_size(batch_size: int, captured: Sequence[int], disable_padding:
 class StaticInputs:
     """The input buffers every graph reads, sized for the largest key."""
 
-    def __init__(self, max_bs: int, max_tokens_per_req: int, device: torch.device | str):
+    def __init__(self, max_bs: int, max_tokens_per_req: int, device: torch.device | str, dp_size: Optional[int] = None):
+        """dp_size: DP attention's rank count (every rank contributes the same padded rows)."""
+        self.dp_size = dp_size
         max_tokens = max_bs * max_tokens_per_req
         i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.full((max_tokens,), PAD_TOKEN_ID, **i64)
@@ -163,6 +168,8 @@ class StaticInputs:
             extend_seq_lens=self.extend_seq_lens[:bs],
             seq_lens_cpu=[key.tokens_per_req] * bs,
             extend_seq_lens_cpu=[key.tokens_per_req] * bs,
+            global_num_tokens=None if self.dp_size is None else [n] * self.dp_size,
+            global_forward_mode=None if self.dp_size is None else key.mode,
         )
 
 
@@ -176,8 +183,10 @@ class CudaGraphRunner:
         modes: dict[ForwardMode, int],
         batch_sizes: Sequence[int],
         disable_padding: bool,
+        dp_size: Optional[int] = None,
     ):
-        """modes: tokens per request of each captured mode; batch_sizes: per-rank sizes."""
+        """modes: tokens per request of each captured mode; batch_sizes: per-rank sizes
+        (identical on every rank); dp_size: set under DP attention."""
         if not batch_sizes:
             raise ValueError("no CUDA graph batch sizes to capture")
         self.model_runner = model_runner
@@ -187,7 +196,7 @@ class CudaGraphRunner:
         self.keys = [GraphKey(m, b, t) for m, t in modes.items() for b in self.batch_sizes]
         self.max_bs = self.batch_sizes[-1]
         self.max_tokens_per_req = max(modes.values())
-        self.inputs = StaticInputs(self.max_bs, self.max_tokens_per_req, model_runner.device)
+        self.inputs = StaticInputs(self.max_bs, self.max_tokens_per_req, model_runner.device, dp_size)
         # Graphs bake in this table's address; a batch over a replaced table runs eagerly.
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -196,20 +205,32 @@ class CudaGraphRunner:
     # ------------------------------------------------------------------ choice
     def key_for(self, fb: ForwardBatch) -> Optional[GraphKey]:
         """The captured key that replays fb, or None. Host values only."""
-        tpr = self.tokens_per_req.get(fb.mode)
-        if tpr is None or fb.batch_size < 1 or fb.num_tokens != fb.batch_size * tpr:
-            return None
         if (
             fb.custom_mask is not None
             or fb.logits_indices is not None
             or fb.spec_info is not None
             or fb.capture_hidden_mode != CaptureHiddenMode.NULL
-            or fb.global_num_tokens is not None
             or fb.req_to_token_pool.req_to_token is not self.req_to_token
         ):
             return None
+        if fb.global_num_tokens is not None:
+            key = self.dp_key(fb.global_forward_mode, fb.global_num_tokens)
+            fits = key is not None and fb.mode in (key.mode, ForwardMode.IDLE) and fb.num_tokens == fb.batch_size * key.tokens_per_req
+            return key if fits else None
+        tpr = self.tokens_per_req.get(fb.mode)
+        if tpr is None or fb.batch_size < 1 or fb.num_tokens != fb.batch_size * tpr:
+            return None
         bs = padded_batch_size(fb.batch_size, self.batch_sizes, self.disable_padding)
         return None if bs is None else GraphKey(fb.mode, bs, tpr)
+
+    def dp_key(self, global_mode: Optional[ForwardMode], global_num_tokens: Sequence[int]) -> Optional[GraphKey]:
+        """DP attention: the key every rank replays this iteration, from the plan alone (so all
+        ranks choose alike): the graph of the largest DP rank's batch, or None (all eager)."""
+        tpr = self.tokens_per_req.get(global_mode) if global_mode is not None else None
+        if self.inputs.dp_size is None or tpr is None or any(n % tpr for n in global_num_tokens):
+            return None
+        bs = padded_batch_size(max(global_num_tokens) // tpr, self.batch_sizes, self.disable_padding)
+        return None if bs is None else GraphKey(global_mode, bs, tpr)
 
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()

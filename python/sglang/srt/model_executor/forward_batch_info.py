@@ -65,6 +65,9 @@ class ForwardBatch:
     # DP attention: tokens each DP rank contributes to this forward (same on every rank),
     # and this rank's gathered buffer (allocated once; sliced per forward, never kept).
     global_num_tokens: Optional[list[int]] = None
+    # DP attention: DECODE when every DP rank decodes or idles (then all ranks replay the same
+    # padded decode graph, idle ones included), EXTEND when any rank extends.
+    global_forward_mode: Optional[ForwardMode] = None
     gathered_buffer: Optional[torch.Tensor] = None
     # Set by the model runner before the forward.
     attn_backend: Optional["AttentionBackend"] = None

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.parallel_state import min_over_ranks
 from sglang.srt.layers.attention import create_attention_backend
 from sglang.srt.layers.attention.base import AttentionBackend
 from sglang.srt.layers.dp_attention import gathered_buffer_rows
@@ -166,15 +167,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ CUDA graphs
     def _graph_modes(self) -> dict[ForwardMode, int]:
         """Captured modes and their tokens per request (empty: no graphs). Speculative
-        sub-forwards and DP attention's agreed padding are not captured yet."""
+        sub-forwards are not captured yet."""
         args = self.server_args
         if args.disable_cuda_graph or args.device != "cuda":
             return {}
         reason = None
         if not isinstance(self.attn_backend, GraphCapturableBackend):
             reason = f"--attention-backend {args.attention_backend} cannot be captured"
-        elif args.enable_dp_attention:
-            reason = "DP attention needs graph sizes agreed across ranks"
         elif args.speculative_algorithm is not None:
             reason = "speculative sub-forwards are not captured yet"
         if reason:
@@ -187,11 +186,17 @@ class ModelRunner:
         if not modes:
             return None
         args = self.server_args
-        sizes = capture_batch_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, self.max_running_requests)
+        max_running = self.max_running_requests
+        if args.enable_dp_attention:
+            # Every rank must capture the same sizes (the replayed graph is chosen from the plan):
+            # the running-request cap, which follows each rank's free memory, is agreed at its minimum.
+            max_running = min_over_ranks(max_running)
+        sizes = capture_batch_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, max_running)
         if not sizes:
             logger.info("CUDA graphs off: no batch size to capture")
             return None
-        runner = CudaGraphRunner(self, modes, sizes, args.disable_cuda_graph_padding)
+        dp_size = args.dp_size if args.enable_dp_attention else None
+        runner = CudaGraphRunner(self, modes, sizes, args.disable_cuda_graph_padding, dp_size)
         runner.capture()
         return runner
 
