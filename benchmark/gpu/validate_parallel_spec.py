@@ -89,7 +89,8 @@ def main() -> None:
              "--batch-sizes", "64", "--output-len", "32", "--repeats", "2", "--result-file", os.path.join(args.out, "tp_dp_throughput.jsonl"), "--"]
     for extra in (["--tp-size", "2", "--disable-cuda-graph"],
                   ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--disable-cuda-graph"],
-                  ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"],
+                  ["--tp-size", "2", "--cuda-graph-max-bs", "64"],
+                  ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--cuda-graph-max-bs", "64"],
                   ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--disable-cuda-graph", "--speculative-algorithm", "NEXTN"]):
         print("throughput:", " ".join(extra), flush=True)
         subprocess.run(bench + extra, timeout=240, check=False)
