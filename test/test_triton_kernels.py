@@ -111,8 +111,9 @@ def test_extend_with_prefix_matches_torch_native(shape, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ATTN_SHAPES)
 def test_verify_tree_mask_matches_torch_native(shape, dtype):
+    # Trees of 4, 6 and 1 tokens over each request's last 6 columns (prefix ones included).
     fb = _compare(shape, [4, 6, 1], [10, 0, 65], dtype, tree=True, seed=2)
-    assert fb.attn_backend.metadata.mask_indptr.tolist() == [0, 4 * 14, 4 * 14 + 36, 4 * 14 + 36 + 66]
+    assert fb.custom_mask.numel() == 11 * 6
 
 
 @kernel_test

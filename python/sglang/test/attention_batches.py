@@ -28,12 +28,13 @@ class AttnShape:
         )
 
 
-def tree_mask(ext: int, seq: int, gen: torch.Generator) -> torch.Tensor:
-    """Flattened ext x seq mask: prefix visible; each new token sees itself and random earlier new tokens."""
-    mask = torch.ones(ext, seq, dtype=torch.bool)
+def tree_mask(ext: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """ext x cols mask over a request's last `cols` KV columns (cols >= ext): the prefix columns
+    among them visible; each new token sees itself and random earlier new tokens."""
+    mask = torch.ones(ext, cols, dtype=torch.bool)
     new = torch.rand(ext, ext, generator=gen) < 0.5
-    mask[:, seq - ext :] = new.tril(-1) | torch.eye(ext, dtype=torch.bool)
-    return mask.flatten()
+    mask[:, cols - ext :] = new.tril(-1) | torch.eye(ext, dtype=torch.bool)
+    return mask
 
 
 def make_attention_batch(
@@ -75,8 +76,9 @@ def make_attention_batch(
     as_dev = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
     mask: Optional[torch.Tensor] = None
     if tree:
-        mask = torch.cat([tree_mask(e, s, gen) for e, s in zip(ext_lens, seq_lens)] + [torch.zeros(0, dtype=torch.bool)])
-        mask = mask.to(device)
+        cols = max(ext_lens, default=0)  # every request's tree covers its last `cols` columns
+        mask = torch.cat([tree_mask(e, cols, gen) for e in ext_lens] + [torch.zeros(0, cols, dtype=torch.bool)])
+        mask = mask.flatten().to(device)
     fb = ForwardBatch(
         mode=ForwardMode.TARGET_VERIFY if tree else ForwardMode.EXTEND,
         batch_size=bs,

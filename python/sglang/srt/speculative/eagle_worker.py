@@ -241,12 +241,11 @@ class EAGLEWorker:
         hidden: Optional[torch.Tensor],
     ) -> ForwardBatch:
         """Each request's new tokens sit right after its KV (kv_len = L-1) and see the whole
-        prefix plus the columns its tree mask [new, new_total] allows."""
+        prefix plus the columns its tree mask [new, new_total] allows (new_total: the same
+        for every request, the batch's tree_cols)."""
         ext = [m.shape[0] for m in tree_masks]
         seq = [r.kv_len + m.shape[1] for r, m in zip(reqs, tree_masks)]
-        mask = torch.cat(
-            [torch.cat([torch.ones((m.shape[0], r.kv_len), dtype=torch.bool), m], dim=1).flatten() for r, m in zip(reqs, tree_masks)]
-        )
+        mask = torch.cat([m.flatten() for m in tree_masks])
         return ForwardBatch(
             mode=mode,
             batch_size=len(reqs),

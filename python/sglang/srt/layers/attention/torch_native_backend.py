@@ -12,12 +12,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 class TorchNativeAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        # Offsets of each request's rows in the flattened custom mask.
-        if forward_batch.custom_mask is not None:
-            sizes = [e * s for e, s in zip(forward_batch.extend_seq_lens_cpu, forward_batch.seq_lens_cpu)]
-            self.mask_offsets = [0]
-            for n in sizes:
-                self.mask_offsets.append(self.mask_offsets[-1] + n)
+        pass
 
     def forward(
         self,
@@ -42,17 +37,20 @@ class TorchNativeAttnBackend(AttentionBackend):
             if ext == 0:
                 continue
             slots = req_to_token[forward_batch.req_pool_indices[i], :seq]
-            mask = self._mask(forward_batch, i, ext, seq, q.device)
+            mask = self._mask(forward_batch, start, ext, seq, q.device)
             out[start : start + ext] = self._attend(
                 q[start : start + ext], k_cache[slots], v_cache[slots], mask, layer
             )
             start += ext
         return out.view(num_tokens, -1)
 
-    def _mask(self, fb: ForwardBatch, i: int, ext: int, seq: int, device) -> torch.Tensor:
+    @staticmethod
+    def _mask(fb: ForwardBatch, row: int, ext: int, seq: int, device) -> torch.Tensor:
+        """[ext, seq] visibility of the request whose query rows start at `row`."""
         if fb.custom_mask is not None:
-            lo = self.mask_offsets[i]
-            return fb.custom_mask[lo : lo + ext * seq].view(ext, seq)
+            tree_cols = fb.custom_mask.numel() // fb.num_tokens
+            tree = fb.custom_mask.view(-1, tree_cols)[row : row + ext]
+            return torch.cat([torch.ones((ext, seq - tree_cols), dtype=torch.bool, device=device), tree], dim=1)
         prefix = seq - ext
         cols = torch.arange(seq, device=device)
         rows = torch.arange(ext, device=device) + prefix

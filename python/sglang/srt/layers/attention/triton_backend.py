@@ -34,7 +34,6 @@ class TritonAttnMetadata:
     max_extend_len: int  # longest query of the batch (host value; sizes the extend grid)
     use_decode_kernel: bool  # one query token per request and no custom mask
     num_kv_splits: Optional[torch.Tensor]  # [bs] int32, decode only: programs sharing one request's KV
-    mask_indptr: Optional[torch.Tensor]  # [bs + 1] int64: request i's block in custom_mask
 
 
 def _indptr(lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -83,7 +82,6 @@ class TritonAttnBackend(AttentionBackend):
             max_extend_len=max_extend_len,
             use_decode_kernel=use_decode,
             num_kv_splits=num_kv_splits(seq_lens) if use_decode else None,
-            mask_indptr=_indptr(ext_lens * seq_lens, torch.int64) if fb.custom_mask is not None else None,
         )
 
     def forward(
@@ -111,6 +109,6 @@ class TritonAttnBackend(AttentionBackend):
         else:
             extend_attention(
                 q3, k_cache, v_cache, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
-                meta.max_extend_len, layer.scaling, forward_batch.custom_mask, meta.mask_indptr,
+                meta.max_extend_len, layer.scaling, forward_batch.custom_mask,
             )
         return out.view(num_tokens, -1)

@@ -3,8 +3,9 @@
 One program per (request, query head, block of BLOCK_M new tokens). New tokens' K/V are
 already in the pool (the backend saves them first), so every key is read through the
 flattened slot index. Visibility is causal (query row r of a request with prefix p sees
-columns 0..p+r), or, with a custom mask, mask[row, col] of that request's
-extend_len x seq_len row-major block (tree verify).
+columns 0..p+r), or, with a custom mask of `tree_cols` columns per query row, every column
+before the request's last tree_cols and, of those last tree_cols, the ones the row's mask
+marks (tree verify, draft steps).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, O, qo_indptr, kv_indptr, kv_indices, Mask, mask_indptr,
+    Q, K, V, O, qo_indptr, kv_indptr, kv_indices, Mask, tree_cols,
     qk_scale,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr,
@@ -59,7 +60,8 @@ def _extend_kernel(
             )
         if USE_MASK:
             kv_end = kv_len
-            mask_row = tl.load(mask_indptr + b) + offs_m.to(tl.int64) * kv_len
+            mask_row = rows * tree_cols
+            tree_start = kv_len - tree_cols  # columns before it are always visible
         else:  # causal: columns past this block's last row are never visible
             kv_end = tl.minimum(kv_len, prefix + (m_block + 1) * BLOCK_M)
 
@@ -85,8 +87,11 @@ def _extend_kernel(
                 qk += tl.dot(q_pe, k_pe.to(q_pe.dtype))
             visible = valid_m[:, None] & valid_n[None, :]
             if USE_MASK:
-                custom = tl.load(Mask + mask_row[:, None] + offs_n[None, :], mask=visible, other=0)
-                visible = visible & (custom != 0)
+                in_tree = offs_n[None, :] >= tree_start
+                custom = tl.load(
+                    Mask + mask_row[:, None] + (offs_n[None, :] - tree_start), mask=visible & in_tree, other=0
+                )
+                visible = visible & ((custom != 0) | ~in_tree)
             else:
                 visible = visible & (offs_n[None, :] <= prefix + offs_m[:, None])
             qk = tl.where(visible, qk * qk_scale, float("-inf"))
@@ -133,14 +138,14 @@ def extend_attention(
     max_extend_len: int,
     scaling: float,
     custom_mask: torch.Tensor | None = None,
-    mask_indptr: torch.Tensor | None = None,
 ) -> None:
     """q: [T, H, Lk] (requests' new tokens concatenated); out: [T, H, Lv].
 
     Request i owns query rows qo_indptr[i]:qo_indptr[i+1] and KV slots
     kv_indices[kv_indptr[i]:kv_indptr[i+1]] (prefix then its new tokens). max_extend_len
-    bounds the query blocks (a host value). custom_mask (bool, flattened) starts request
-    i's block at mask_indptr[i].
+    bounds the query blocks (a host value). custom_mask (bool, [T, tree_cols] flattened):
+    query row t sees the columns before its request's last tree_cols, and the last tree_cols
+    where custom_mask[t] is set; tree_cols (the same for every request) is its size over T.
     """
     num_tokens, num_heads, lk = q.shape
     num_kv_heads, lv = k_cache.shape[1], v_cache.shape[-1]
@@ -151,9 +156,9 @@ def extend_attention(
     block_m, block_n, num_warps = _tile_sizes(tiling)
     use_mask = custom_mask is not None
     mask = custom_mask.view(torch.uint8) if use_mask else q  # placeholder pointer, never read
+    tree_cols = custom_mask.numel() // num_tokens if use_mask else 0
     _extend_kernel[(bs, num_heads, triton.cdiv(max_extend_len, block_m))](
-        q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, mask,
-        mask_indptr if use_mask else kv_indptr,
+        q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, mask, tree_cols,
         scaling * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
