@@ -16,6 +16,7 @@ from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.cuda_graph_runner import (
     PAD_KV_SLOT,
+    CapturedMode,
     CudaGraphCaptureError,
     CudaGraphRunner,
     GraphKey,
@@ -30,6 +31,7 @@ from sglang.srt.server_args import ServerArgs
 from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
 
 DECODE = ForwardMode.DECODE
+PLAIN = CapturedMode(1)  # plain decode: one token per request
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -69,18 +71,18 @@ def test_padded_batch_size():
 def test_dp_key_comes_from_the_plan_alone():
     """Under DP attention every rank replays the graph of the largest DP rank's batch."""
     table = ReqToTokenPool(16, 64, "cpu")
-    graphs = CudaGraphRunner(_runner_stub(table), {DECODE: 1}, [1, 2, 4, 8], disable_padding=False, dp_size=2)
+    graphs = CudaGraphRunner(_runner_stub(table), {DECODE: PLAIN}, [1, 2, 4, 8], disable_padding=False, dp_size=2)
     assert graphs.dp_key(DECODE, [3, 1]) == GraphKey(DECODE, 4, 1)
     assert graphs.dp_key(DECODE, [0, 5]) == GraphKey(DECODE, 8, 1)
     assert graphs.dp_key(DECODE, [9, 1]) is None  # larger than every graph: all ranks eager
     assert graphs.dp_key(ForwardMode.EXTEND, [3, 1]) is None  # a rank extends: all eager
-    exact = CudaGraphRunner(_runner_stub(table), {DECODE: 1}, [1, 2, 4, 8], disable_padding=True, dp_size=2)
+    exact = CudaGraphRunner(_runner_stub(table), {DECODE: PLAIN}, [1, 2, 4, 8], disable_padding=True, dp_size=2)
     assert exact.dp_key(DECODE, [3, 1]) is None and exact.dp_key(DECODE, [4, 1]) == GraphKey(DECODE, 4, 1)
 
 
 def test_dp_key_for_decode_and_idle_ranks():
     table = ReqToTokenPool(16, 64, "cpu")
-    graphs = CudaGraphRunner(_runner_stub(table), {DECODE: 1}, [1, 2, 4], disable_padding=False, dp_size=2)
+    graphs = CudaGraphRunner(_runner_stub(table), {DECODE: PLAIN}, [1, 2, 4], disable_padding=False, dp_size=2)
     busy = _decode_fb([0, 1, 2], [5] * 3, [1] * 3, [1, 2, 3])
     idle = _decode_fb([], [], [], [])
     idle.mode = ForwardMode.IDLE
@@ -90,7 +92,7 @@ def test_dp_key_for_decode_and_idle_ranks():
     busy.global_forward_mode = ForwardMode.EXTEND
     assert _choice(graphs, busy, table) is None
     # The padded batch carries every rank's padded rows and the agreed mode.
-    padded = StaticInputs(4, 1, "cpu", dp_size=2).load(idle, GraphKey(DECODE, 4, 1))
+    padded = StaticInputs(4, 1, "cpu", dp_size=2).load(idle, GraphKey(DECODE, 4, 1), PLAIN)
     assert padded.global_num_tokens == [4, 4] and padded.global_forward_mode == DECODE
     assert padded.out_cache_loc.tolist() == [PAD_KV_SLOT] * 4
 
@@ -116,8 +118,8 @@ def test_static_inputs_pad_rows_are_valid():
     inputs = StaticInputs(max_bs=8, max_tokens_per_req=1, device="cpu")
     key = GraphKey(DECODE, 4, 1)
     # A larger batch first leaves stale values that the next load must overwrite.
-    inputs.load(_decode_fb([5, 6, 7, 1, 2], [9, 9, 9, 9, 9], [11] * 5, [40, 41, 42, 43, 44]), GraphKey(DECODE, 8, 1))
-    fb = inputs.load(_decode_fb([3, 7], [10, 4], [17, 23], [33, 34]), key)
+    inputs.load(_decode_fb([5, 6, 7, 1, 2], [9, 9, 9, 9, 9], [11] * 5, [40, 41, 42, 43, 44]), GraphKey(DECODE, 8, 1), PLAIN)
+    fb = inputs.load(_decode_fb([3, 7], [10, 4], [17, 23], [33, 34]), key, PLAIN)
     assert fb.batch_size == 4 and fb.num_tokens == 4
     assert fb.input_ids.tolist() == [17, 23, 0, 0]
     assert fb.positions.tolist() == [9, 3, 0, 0]
@@ -142,7 +144,7 @@ def _choice(graphs: CudaGraphRunner, fb: ForwardBatch, table: ReqToTokenPool):
 
 def test_key_for_picks_padded_decode_graph_or_eager():
     table = ReqToTokenPool(16, 64, "cpu")
-    graphs = CudaGraphRunner(_runner_stub(table), {DECODE: 1}, [1, 2, 4], disable_padding=False)
+    graphs = CudaGraphRunner(_runner_stub(table), {DECODE: PLAIN}, [1, 2, 4], disable_padding=False)
     fb = lambda n: _decode_fb(list(range(n)), [5] * n, [1] * n, list(range(1, n + 1)))
     assert _choice(graphs, fb(1), table) == GraphKey(DECODE, 1, 1)
     assert _choice(graphs, fb(3), table) == GraphKey(DECODE, 4, 1)
@@ -161,7 +163,7 @@ def test_key_for_picks_padded_decode_graph_or_eager():
     assert _choice(graphs, dp, table) is None  # a runner built without DP attention
     # A table replaced after capture (graphs hold the old address): eager.
     assert _choice(graphs, fb(2), ReqToTokenPool(16, 128, "cpu")) is None
-    exact = CudaGraphRunner(_runner_stub(table), {DECODE: 1}, [1, 2, 4], disable_padding=True)
+    exact = CudaGraphRunner(_runner_stub(table), {DECODE: PLAIN}, [1, 2, 4], disable_padding=True)
     assert _choice(exact, fb(3), table) is None
     assert _choice(exact, fb(4), table) == GraphKey(DECODE, 4, 1)
 
@@ -247,7 +249,7 @@ def test_padded_decode_batch_matches_unpadded_eager(tiny_llama_dir):
     eager = runner.forward_eager(fb).next_token_logits
     after_eager = _kv_snapshot(runner)
     _kv_restore(runner, before)
-    padded = StaticInputs(8, 1, "cpu").load(fb, GraphKey(DECODE, 8, 1))
+    padded = StaticInputs(8, 1, "cpu").load(fb, GraphKey(DECODE, 8, 1), PLAIN)
     logits = runner.forward_eager(padded).next_token_logits
     assert logits.shape[0] == 8
     torch.testing.assert_close(logits[:3], eager, rtol=1e-5, atol=1e-5)
@@ -283,7 +285,7 @@ def test_captured_work_matches_eager_triton(tiny_llama_dir):
         import test_triton_kernels  # noqa: F401  (patches the interpreter for NumPy >= 2.4)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     runner = make_runner(tiny_llama_dir, device, "float32", attention_backend="triton", disable_cuda_graph=True)
-    graphs = CudaGraphRunner(runner, {DECODE: 1}, [1, 2, 4], disable_padding=False)
+    graphs = CudaGraphRunner(runner, {DECODE: PLAIN}, [1, 2, 4], disable_padding=False)
     width = runner.req_to_token_pool.req_to_token.shape[1]
     runner.attn_backend.init_cuda_graph_state(4, 4 * width, torch.device(device))
     driver = HandDriver(runner, PROMPTS)
@@ -294,8 +296,8 @@ def test_captured_work_matches_eager_triton(tiny_llama_dir):
         before = _kv_snapshot(runner)
         eager = runner.forward_eager(fb).next_token_logits
         _kv_restore(runner, before)
-        graphs.inputs.load(fb, key)
-        out = graphs._run(graphs.inputs.batch(key), key).next_token_logits
+        graphs.inputs.load(fb, key, PLAIN)
+        out = graphs._run(graphs.inputs.batch(key, PLAIN), key).next_token_logits
         torch.testing.assert_close(out[:3], eager, rtol=1e-4, atol=1e-4)
         driver.next_tokens = eager.argmax(-1).tolist()
 
@@ -313,7 +315,7 @@ def _dp_captured_work_worker(rank: int, world: int, path: str) -> None:
         attention_backend="triton", disable_cuda_graph=True, tp_size=2, dp_size=2, enable_dp_attention=True,
     )
     runner = ModelRunner(ModelConfig(path, dtype="float32", device="cpu"), args, gpu_id=0, tp_rank=rank, tp_size=2)
-    graphs = CudaGraphRunner(runner, {DECODE: 1}, [1, 2, 4], disable_padding=False, dp_size=2)
+    graphs = CudaGraphRunner(runner, {DECODE: PLAIN}, [1, 2, 4], disable_padding=False, dp_size=2)
     width = runner.req_to_token_pool.req_to_token.shape[1]
     runner.attn_backend.init_cuda_graph_state(4, 4 * width, torch.device("cpu"))
     prompts = PROMPTS if rank == 0 else PROMPTS[:1]
@@ -328,8 +330,8 @@ def _dp_captured_work_worker(rank: int, world: int, path: str) -> None:
         before = _kv_snapshot(runner)
         eager = runner.forward_eager(fb).next_token_logits
         _kv_restore(runner, before)
-        graphs.inputs.load(fb, key)
-        out = graphs._run(graphs.inputs.batch(key), key).next_token_logits
+        graphs.inputs.load(fb, key, PLAIN)
+        out = graphs._run(graphs.inputs.batch(key, PLAIN), key).next_token_logits
         torch.testing.assert_close(out[: fb.batch_size], eager, rtol=1e-4, atol=1e-4)
         if not idle:
             driver.next_tokens = eager.argmax(-1).tolist()
@@ -351,7 +353,7 @@ def test_captured_work_matches_eager_triton_dp_attention(tiny_llama_dir):
 # ---------------------------------------------------------------------- CUDA: replay equals eager
 @pytest.fixture(scope="module")
 def tiny_dsv3_dir(tmp_path_factory) -> str:
-    return make_tiny_deepseek_v3(str(tmp_path_factory.mktemp("tiny_dsv3")), with_mtp=False)
+    return make_tiny_deepseek_v3(str(tmp_path_factory.mktemp("tiny_dsv3")))
 
 
 @needs_cuda
@@ -396,3 +398,89 @@ def test_capture_out_of_memory_is_a_clear_error(tiny_llama_dir, monkeypatch):
 @needs_cuda
 def test_disable_cuda_graph_flag(tiny_llama_dir):
     assert make_runner(tiny_llama_dir, "cuda", "float32", disable_cuda_graph=True).graph_runner is None
+
+
+# ---------------------------------------------------------------------- speculative sub-forwards
+class _WorkAsGraph:
+    """A CUDA graph's stand-in on CPU: replay() runs the captured work on the static inputs and
+    leaves the outputs where a replayed graph would. Counts replays per mode."""
+
+    replays: dict[ForwardMode, int] = {}
+
+    def __init__(self, graphs: CudaGraphRunner, key: GraphKey):
+        self.graphs, self.key = graphs, key
+
+    def replay(self) -> None:
+        batch = self.graphs.inputs.batch(self.key, self.graphs.modes[self.key.mode])
+        self.graphs.run_into_outputs(batch, self.key)
+        _WorkAsGraph.replays[self.key.mode] = _WorkAsGraph.replays.get(self.key.mode, 0) + 1
+
+
+def _emulate_graphs(runner: ModelRunner, modes: dict[ForwardMode, CapturedMode], sizes: list[int]) -> None:
+    """What ModelRunner does on CUDA (a CudaGraphRunner over the modes), with _WorkAsGraph graphs."""
+    graphs = CudaGraphRunner(runner, modes, sizes, False, hidden=(runner.model_config.hidden_size, runner.dtype))
+    width = runner.req_to_token_pool.req_to_token.shape[1]
+    runner.attn_backend.init_cuda_graph_state(graphs.max_bs, graphs.max_bs * width, torch.device("cpu"))
+    largest = max(graphs.keys, key=lambda k: k.num_tokens)
+    graphs.allocate_outputs(graphs._run(graphs.inputs.batch(largest, modes[largest.mode]), largest), torch.device("cpu"))
+    graphs.graphs = {key: _WorkAsGraph(graphs, key) for key in graphs.keys}
+    runner.graph_runner = graphs
+
+
+SPEC_PROMPTS = [[5, 17, 42, 99, 7, 3], [8, 9, 10], [100, 101, 102, 103, 104]]
+SPEC_MAX_NEW = [10, 4, 7]  # finishing at different cycles: batches of 3, 2, 1 replay padded graphs
+
+
+def _spec_greedy(path: str, graphs: bool, **spec) -> tuple[list[list[int]], float]:
+    import test_triton_kernels  # noqa: F401  (patches the interpreter for NumPy >= 2.4)
+    from sglang.srt.speculative.spec_plan import SpecSizes
+    from sglang.test.inprocess_scheduler import greedy, start_scheduler
+
+    args = ServerArgs(
+        model_path=path, device="cpu", dtype="float32", attention_backend="triton", max_total_tokens=1024,
+        max_running_requests=4, disable_radix_cache=True, **spec,
+    )
+    scheduler = start_scheduler(args)
+    if graphs:
+        sizes = SpecSizes.from_server_args(args)
+        _emulate_graphs(scheduler.runner, sizes.captured_modes(is_draft=False), [1, 2, 4])
+        _emulate_graphs(scheduler.spec_worker.draft_runner, sizes.captured_modes(is_draft=True), [1, 2, 4])
+    return greedy(scheduler, SPEC_PROMPTS, SPEC_MAX_NEW), scheduler.avg_spec_accept_length()
+
+
+@pytest.fixture(scope="module")
+def perfect_dsv3_dir(tmp_path_factory) -> str:
+    from sglang.test.spec_models import make_perfect_deepseek_v3
+
+    return make_perfect_deepseek_v3(str(tmp_path_factory.mktemp("perfect_dsv3")))
+
+
+@pytest.fixture(scope="module")
+def llama_eagle_head(tiny_llama_dir, tmp_path_factory) -> str:
+    from sglang.test.spec_models import make_eagle_head
+
+    return make_eagle_head(tiny_llama_dir, str(tmp_path_factory.mktemp("eagle_head")))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@pytest.mark.parametrize("case", ["perfect NEXTN chain", "NEXTN tree", "EAGLE tree"])
+def test_captured_work_matches_eager_spec(request, case):
+    """Verify, every draft step and the draft extend through their graphs' captured work
+    (padded batches, static tree masks and hidden states): the same tokens and accept length."""
+    chain = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+    tree = dict(speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+    path, spec = {
+        "perfect NEXTN chain": ("perfect_dsv3_dir", dict(speculative_algorithm="NEXTN", **chain)),
+        "NEXTN tree": ("tiny_dsv3_dir", dict(speculative_algorithm="NEXTN", **tree)),
+        "EAGLE tree": ("tiny_llama_dir", dict(speculative_algorithm="EAGLE", **tree)),
+    }[case]
+    path = request.getfixturevalue(path)
+    if spec["speculative_algorithm"] == "EAGLE":
+        spec["speculative_draft_model_path"] = request.getfixturevalue("llama_eagle_head")
+    eager_ids, eager_accept = _spec_greedy(path, graphs=False, **spec)
+    _WorkAsGraph.replays = {}
+    graph_ids, graph_accept = _spec_greedy(path, graphs=True, **spec)
+    assert graph_ids == eager_ids and graph_accept == eager_accept
+    assert set(_WorkAsGraph.replays) == {ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE, ForwardMode.DRAFT_EXTEND}
+    if case == "perfect NEXTN chain":
+        assert eager_accept == 4.0

@@ -38,6 +38,7 @@ from sglang.srt.model_loader import get_model
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.speculative.spec_plan import SpecIterationPlan, SpecSizes, SubForward
+from sglang.test.inprocess_scheduler import DetokenizerStub
 from sglang.test.model_harness import ModelHarness
 from sglang.test.server_utils import kill_server, popen_launch_server
 from sglang.test.spec_models import make_eagle_head, make_perfect_deepseek_v3
@@ -105,18 +106,6 @@ def test_sub_forward_rows_from_the_plan_all_gather():
 # ---- scheduler-level runs on two spawned ranks ---------------------------------------------
 
 
-class _Outputs:
-    """Stands in for the detokenizer socket: keeps each request's final tokens."""
-
-    def __init__(self) -> None:
-        self.finished: dict[str, list[int]] = {}
-
-    def send_pyobj(self, msg) -> None:
-        for rid, ids, reason in zip(msg.rids, msg.output_ids, msg.finished_reasons):
-            if reason is not None:
-                self.finished[rid] = ids
-
-
 def _start_scheduler(rank: int, server_args: ServerArgs, port_args: PortArgs) -> tuple[Scheduler, int]:
     """A rank's Scheduler (no sockets: requests are injected), and how many gathered buffers it allocated."""
     made = []
@@ -129,7 +118,7 @@ def _start_scheduler(rank: int, server_args: ServerArgs, port_args: PortArgs) ->
     with mock.patch.object(ModelRunner, "_make_gathered_buffer", counted):
         scheduler = Scheduler(server_args, port_args, 0, rank, None)
     scheduler.recv_from_tokenizer = None
-    scheduler.send_to_detokenizer = _Outputs()
+    scheduler.send_to_detokenizer = DetokenizerStub()
     return scheduler, len(made)
 
 

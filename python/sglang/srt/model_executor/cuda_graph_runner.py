@@ -30,6 +30,7 @@ import torch
 
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.speculative.spec_info import SpecInput
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -61,16 +62,33 @@ class CudaGraphCaptureError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class CapturedMode:
+    """How the forwards of one mode are captured (every request has the same token count)."""
+
+    tokens_per_req: int
+    tree_cols: tuple[int, ...] = (0,)  # tree-mask widths, one graph each (0: no mask)
+    capture_hidden: CaptureHiddenMode = CaptureHiddenMode.NULL
+    draft_input: bool = False  # hidden states come in through spec_info (draft forwards)
+    logits_at_rows: bool = False  # logits at one given row per request (draft extend)
+
+
+@dataclass(frozen=True)
 class GraphKey:
     """What makes two forwards replayable by the same graph."""
 
     mode: ForwardMode
     batch_size: int  # padded requests on this rank
     tokens_per_req: int
+    tree_cols: int = 0  # tree-mask width (0: no tree mask)
 
     @property
     def num_tokens(self) -> int:
         return self.batch_size * self.tokens_per_req
+
+    @property
+    def pad_seq_len(self) -> int:
+        """A padded request's KV length: its new tokens and, under a tree mask, its tree."""
+        return max(self.tokens_per_req, self.tree_cols)
 
 
 # ---------------------------------------------------------------------- batch sizes
@@ -119,8 +137,17 @@ def padded_batch_size(batch_size: int, captured: Sequence[int], disable_padding:
 class StaticInputs:
     """The input buffers every graph reads, sized for the largest key."""
 
-    def __init__(self, max_bs: int, max_tokens_per_req: int, device: torch.device | str, dp_size: Optional[int] = None):
-        """dp_size: DP attention's rank count (every rank contributes the same padded rows)."""
+    def __init__(
+        self,
+        max_bs: int,
+        max_tokens_per_req: int,
+        device: torch.device | str,
+        dp_size: Optional[int] = None,
+        max_tree_cols: int = 0,
+        hidden: Optional[tuple[int, torch.dtype]] = None,
+    ):
+        """dp_size: DP attention's rank count (every rank contributes the same padded rows);
+        max_tree_cols: widest tree mask; hidden: (size, dtype) of draft input hidden states."""
         self.dp_size = dp_size
         max_tokens = max_bs * max_tokens_per_req
         i64 = dict(dtype=torch.int64, device=device)
@@ -130,8 +157,11 @@ class StaticInputs:
         self.req_pool_indices = torch.full((max_bs,), PAD_REQ_ROW, **i64)
         self.seq_lens = torch.full((max_bs,), max_tokens_per_req, **i64)
         self.extend_seq_lens = torch.full((max_bs,), max_tokens_per_req, **i64)
+        self.logits_indices = torch.zeros(max_bs, **i64)
+        self.custom_mask = torch.ones(max_tokens * max_tree_cols, dtype=torch.bool, device=device)
+        self.hidden_states = None if hidden is None else torch.zeros((max_tokens, hidden[0]), dtype=hidden[1], device=device)
 
-    def load(self, fb: ForwardBatch, key: GraphKey) -> ForwardBatch:
+    def load(self, fb: ForwardBatch, key: GraphKey, mode: CapturedMode) -> ForwardBatch:
         """Copy fb into the buffers, pad rows fb.batch_size..key.batch_size, and return the
         padded batch as a ForwardBatch over the buffers (host lengths padded too)."""
         bs, n, tpr = fb.batch_size, fb.num_tokens, key.tokens_per_req
@@ -145,16 +175,25 @@ class StaticInputs:
         self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
         self.req_pool_indices[bs : key.batch_size].fill_(PAD_REQ_ROW)
         self.seq_lens[:bs].copy_(fb.seq_lens)
-        self.seq_lens[bs : key.batch_size].fill_(tpr)
+        self.seq_lens[bs : key.batch_size].fill_(key.pad_seq_len)
         self.extend_seq_lens[:bs].copy_(fb.extend_seq_lens)
         self.extend_seq_lens[bs : key.batch_size].fill_(tpr)
+        if key.tree_cols:  # padded rows see their whole (padding) tree
+            self.custom_mask[: n * key.tree_cols].copy_(fb.custom_mask)
+            self.custom_mask[n * key.tree_cols : key.num_tokens * key.tree_cols].fill_(True)
+        if mode.draft_input:
+            self.hidden_states[:n].copy_(fb.spec_info.hidden_states)
+            self.hidden_states[n : key.num_tokens].zero_()
+        if mode.logits_at_rows:  # a padded request's logits row: its own last token
+            self.logits_indices[:bs].copy_(fb.logits_indices)
+            self.logits_indices[bs : key.batch_size].copy_(torch.arange(bs, key.batch_size) * tpr + tpr - 1)
         return replace(
-            self.batch(key),
-            seq_lens_cpu=list(fb.seq_lens_cpu) + [tpr] * pad_rows,
+            self.batch(key, mode),
+            seq_lens_cpu=list(fb.seq_lens_cpu) + [key.pad_seq_len] * pad_rows,
             extend_seq_lens_cpu=list(fb.extend_seq_lens_cpu) + [tpr] * pad_rows,
         )
 
-    def batch(self, key: GraphKey) -> ForwardBatch:
+    def batch(self, key: GraphKey, mode: CapturedMode) -> ForwardBatch:
         """The buffers' first rows as the batch a graph of `key` was captured with."""
         bs, n = key.batch_size, key.num_tokens
         return ForwardBatch(
@@ -166,8 +205,12 @@ class StaticInputs:
             req_pool_indices=self.req_pool_indices[:bs],
             seq_lens=self.seq_lens[:bs],
             extend_seq_lens=self.extend_seq_lens[:bs],
-            seq_lens_cpu=[key.tokens_per_req] * bs,
+            seq_lens_cpu=[key.pad_seq_len] * bs,
             extend_seq_lens_cpu=[key.tokens_per_req] * bs,
+            custom_mask=self.custom_mask[: n * key.tree_cols] if key.tree_cols else None,
+            capture_hidden_mode=mode.capture_hidden,
+            logits_indices=self.logits_indices[:bs] if mode.logits_at_rows else None,
+            spec_info=SpecInput(self.hidden_states[:n]) if mode.draft_input else None,
             global_num_tokens=None if self.dp_size is None else [n] * self.dp_size,
             global_forward_mode=None if self.dp_size is None else key.mode,
         )
@@ -180,54 +223,94 @@ class CudaGraphRunner:
     def __init__(
         self,
         model_runner: "ModelRunner",
-        modes: dict[ForwardMode, int],
+        modes: dict[ForwardMode, CapturedMode],
         batch_sizes: Sequence[int],
         disable_padding: bool,
         dp_size: Optional[int] = None,
+        hidden: Optional[tuple[int, torch.dtype]] = None,
     ):
-        """modes: tokens per request of each captured mode; batch_sizes: per-rank sizes
-        (identical on every rank); dp_size: set under DP attention."""
+        """modes: how each captured mode is captured; batch_sizes: per-rank sizes (identical
+        on every rank); dp_size: set under DP attention; hidden: (size, dtype) of hidden states."""
         if not batch_sizes:
             raise ValueError("no CUDA graph batch sizes to capture")
         self.model_runner = model_runner
-        self.tokens_per_req = dict(modes)
+        self.modes = dict(modes)
         self.batch_sizes = sorted(batch_sizes)
         self.disable_padding = disable_padding
-        self.keys = [GraphKey(m, b, t) for m, t in modes.items() for b in self.batch_sizes]
+        self.keys = [
+            GraphKey(m, b, spec.tokens_per_req, cols)
+            for m, spec in self.modes.items()
+            for cols in spec.tree_cols
+            for b in self.batch_sizes
+        ]
         self.max_bs = self.batch_sizes[-1]
-        self.max_tokens_per_req = max(modes.values())
-        self.inputs = StaticInputs(self.max_bs, self.max_tokens_per_req, model_runner.device, dp_size)
+        self.max_tokens_per_req = max(spec.tokens_per_req for spec in self.modes.values())
+        needs_hidden = any(spec.draft_input or spec.capture_hidden != CaptureHiddenMode.NULL for spec in self.modes.values())
+        if needs_hidden and hidden is None:
+            raise ValueError("modes with hidden states need the hidden size and dtype")
+        self.hidden = hidden
+        self.inputs = StaticInputs(
+            self.max_bs,
+            self.max_tokens_per_req,
+            model_runner.device,
+            dp_size,
+            max(cols for spec in self.modes.values() for cols in spec.tree_cols),
+            hidden if any(spec.draft_input for spec in self.modes.values()) else None,
+        )
         # Graphs bake in this table's address; a batch over a replaced table runs eagerly.
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.out_logits: Optional[torch.Tensor] = None
+        self.out_hidden: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def _output_rows(mode: CapturedMode, batch_size: int, num_tokens: int) -> int:
+        """Rows of logits (and of captured hidden states) a forward returns."""
+        return batch_size if mode.logits_at_rows else num_tokens
 
     # ------------------------------------------------------------------ choice
     def key_for(self, fb: ForwardBatch) -> Optional[GraphKey]:
         """The captured key that replays fb, or None. Host values only."""
-        if (
-            fb.custom_mask is not None
-            or fb.logits_indices is not None
-            or fb.spec_info is not None
-            or fb.capture_hidden_mode != CaptureHiddenMode.NULL
-            or fb.req_to_token_pool.req_to_token is not self.req_to_token
-        ):
+        if fb.req_to_token_pool.req_to_token is not self.req_to_token:
             return None
         if fb.global_num_tokens is not None:
             key = self.dp_key(fb.global_forward_mode, fb.global_num_tokens)
-            fits = key is not None and fb.mode in (key.mode, ForwardMode.IDLE) and fb.num_tokens == fb.batch_size * key.tokens_per_req
+            fits = (
+                key is not None
+                and fb.mode in (key.mode, ForwardMode.IDLE)
+                and fb.num_tokens == fb.batch_size * key.tokens_per_req
+                and self._matches(fb, self.modes[key.mode], key.tree_cols)
+            )
             return key if fits else None
-        tpr = self.tokens_per_req.get(fb.mode)
-        if tpr is None or fb.batch_size < 1 or fb.num_tokens != fb.batch_size * tpr:
+        mode = self.modes.get(fb.mode)
+        if mode is None or fb.batch_size < 1 or fb.num_tokens != fb.batch_size * mode.tokens_per_req:
+            return None
+        tree_cols = fb.custom_mask.numel() // fb.num_tokens if fb.custom_mask is not None else 0
+        if tree_cols not in mode.tree_cols or not self._matches(fb, mode, tree_cols):
             return None
         bs = padded_batch_size(fb.batch_size, self.batch_sizes, self.disable_padding)
-        return None if bs is None else GraphKey(fb.mode, bs, tpr)
+        return None if bs is None else GraphKey(fb.mode, bs, mode.tokens_per_req, tree_cols)
+
+    @staticmethod
+    def _matches(fb: ForwardBatch, mode: CapturedMode, tree_cols: int) -> bool:
+        """fb has exactly the inputs and outputs the mode's graphs were captured with."""
+        if fb.mode == ForwardMode.IDLE:  # zero rows: only its DP sizes matter
+            return True
+        return (
+            (fb.custom_mask is not None) == (tree_cols > 0)
+            and fb.capture_hidden_mode == mode.capture_hidden
+            and (fb.spec_info is not None) == mode.draft_input
+            and (fb.logits_indices is not None) == mode.logits_at_rows
+        )
 
     def dp_key(self, global_mode: Optional[ForwardMode], global_num_tokens: Sequence[int]) -> Optional[GraphKey]:
         """DP attention: the key every rank replays this iteration, from the plan alone (so all
         ranks choose alike): the graph of the largest DP rank's batch, or None (all eager)."""
-        tpr = self.tokens_per_req.get(global_mode) if global_mode is not None else None
-        if self.inputs.dp_size is None or tpr is None or any(n % tpr for n in global_num_tokens):
+        mode = self.modes.get(global_mode) if global_mode is not None else None
+        if self.inputs.dp_size is None or mode is None or mode.tree_cols != (0,):
+            return None
+        tpr = mode.tokens_per_req
+        if any(n % tpr for n in global_num_tokens):
             return None
         bs = padded_batch_size(max(global_num_tokens) // tpr, self.batch_sizes, self.disable_padding)
         return None if bs is None else GraphKey(global_mode, bs, tpr)
@@ -246,7 +329,7 @@ class CudaGraphRunner:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
-        ordered = sorted(self.keys, key=lambda k: (k.num_tokens, k.batch_size), reverse=True)
+        ordered = sorted(self.keys, key=lambda k: (k.num_tokens, k.tree_cols, k.batch_size), reverse=True)
         for i, key in enumerate(ordered):
             try:
                 self.graphs[key] = self._capture_one(key, pool, stream)
@@ -262,7 +345,7 @@ class CudaGraphRunner:
         used = free_before - torch.cuda.mem_get_info(device)[0]
         logger.info(
             "CUDA graphs: %d captured (batch sizes %s, modes %s) in %.1f s, %.0f MiB of GPU memory",
-            len(ordered), self.batch_sizes, [m.name for m in self.tokens_per_req], time.perf_counter() - start,
+            len(ordered), self.batch_sizes, [m.name for m in self.modes], time.perf_counter() - start,
             used / _MIB,
         )
 
@@ -273,25 +356,41 @@ class CudaGraphRunner:
         runner.attn_backend.init_forward_metadata_graph(fb, key.tokens_per_req)
         return runner.model.forward(fb.input_ids, fb.positions, fb)
 
+    def allocate_outputs(self, warm: LogitsProcessorOutput, device: torch.device) -> None:
+        """Output buffers for the largest key of every mode (called at the first capture)."""
+        rows = max(self._output_rows(self.modes[k.mode], k.batch_size, k.num_tokens) for k in self.keys)
+        self.out_logits = torch.empty((rows, warm.next_token_logits.shape[1]), dtype=torch.float32, device=device)
+        if any(spec.capture_hidden != CaptureHiddenMode.NULL for spec in self.modes.values()):
+            hidden_size, dtype = self.hidden
+            self.out_hidden = torch.empty((self.max_bs * self.max_tokens_per_req, hidden_size), dtype=dtype, device=device)
+
     def _capture_one(self, key: GraphKey, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
-        fb = self.inputs.batch(key)  # padding-only content: a valid batch by construction
+        fb = self.inputs.batch(key, self.modes[key.mode])  # padding-only content: a valid batch by construction
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile kernels and create library workspaces outside the capture
                 warm = self._run(fb, key)
         torch.cuda.current_stream().wait_stream(stream)
-        if self.out_logits is None:  # the first key is the largest
-            rows = self.max_bs * self.max_tokens_per_req
-            self.out_logits = torch.empty((rows, warm.next_token_logits.shape[1]), dtype=torch.float32, device=fb.input_ids.device)
+        if self.out_logits is None:
+            self.allocate_outputs(warm, fb.input_ids.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
-            out = self._run(fb, key)
-            self.out_logits[: out.next_token_logits.shape[0]].copy_(out.next_token_logits)
+            self.run_into_outputs(fb, key)
         return graph
+
+    def run_into_outputs(self, fb: ForwardBatch, key: GraphKey) -> None:
+        """What a graph holds: the captured work, its outputs copied into the static buffers."""
+        out = self._run(fb, key)
+        self.out_logits[: out.next_token_logits.shape[0]].copy_(out.next_token_logits)
+        if out.hidden_states is not None:
+            self.out_hidden[: out.hidden_states.shape[0]].copy_(out.hidden_states)
 
     # ------------------------------------------------------------------ replay
     def replay(self, fb: ForwardBatch, key: GraphKey) -> LogitsProcessorOutput:
         """Run fb through the graph of key (from key_for); outputs are fresh tensors."""
-        self.inputs.load(fb, key)
+        mode = self.modes[key.mode]
+        self.inputs.load(fb, key, mode)
         self.graphs[key].replay()
-        return LogitsProcessorOutput(next_token_logits=self.out_logits[: fb.num_tokens].clone())
+        rows = self._output_rows(mode, fb.batch_size, fb.num_tokens)
+        hidden = None if mode.capture_hidden == CaptureHiddenMode.NULL else self.out_hidden[:rows].clone()
+        return LogitsProcessorOutput(next_token_logits=self.out_logits[:rows].clone(), hidden_states=hidden)

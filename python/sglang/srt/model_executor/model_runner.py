@@ -22,6 +22,7 @@ from sglang.srt.mem_cache.memory_pool import (
     TokenToKVPoolAllocator,
 )
 from sglang.srt.model_executor.cuda_graph_runner import (
+    CapturedMode,
     CudaGraphRunner,
     GraphCapturableBackend,
     capture_batch_sizes,
@@ -29,6 +30,7 @@ from sglang.srt.model_executor.cuda_graph_runner import (
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_loader import get_model
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.spec_plan import SpecSizes
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +51,15 @@ class ModelRunner:
         req_to_token_pool: Optional[ReqToTokenPool] = None,
         token_allocator: Optional[TokenToKVPoolAllocator] = None,
         gathered_buffer: Optional[torch.Tensor] = None,
+        is_draft: bool = False,
     ):
-        """A draft runner passes the target's req_to_token_pool and allocator (shared slots) and,
-        under DP attention, the target's gathered buffer (one buffer per rank)."""
+        """A draft runner (is_draft) passes the target's req_to_token_pool and allocator (shared
+        slots) and, under DP attention, the target's gathered buffer (one buffer per rank)."""
         self.model_config = model_config
         self.server_args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.is_draft = is_draft
+        self.spec_sizes = SpecSizes.from_server_args(server_args) if server_args.speculative_algorithm else None
         # KV heads are sharded over the attention-TP group (all of TP unless DP attention).
         self.attn_tp_size = server_args.attn_tp_size
         self.device = f"cuda:{gpu_id}" if server_args.device == "cuda" else "cpu"
@@ -69,8 +74,10 @@ class ModelRunner:
         self.kv_bytes_per_token = self._kv_bytes_per_token()
         self.max_total_num_tokens = self._profile_max_num_tokens(token_allocator)
         self.max_running_requests = self._max_running_requests()
+        # Speculative trees are laid out past a request's KV (at most the context).
+        tree_width = self.spec_sizes.tree_row_width if self.spec_sizes else 0
         self.req_to_token_pool = req_to_token_pool or ReqToTokenPool(
-            self.max_running_requests, model_config.context_len + 8, self.device
+            self.max_running_requests, model_config.context_len + max(8, tree_width), self.device
         )
         self.token_allocator = token_allocator or TokenToKVPoolAllocator(self.max_total_num_tokens, self.device)
         self.kv_pool = self._make_kv_pool()
@@ -165,21 +172,22 @@ class ModelRunner:
         return min(chunk, args.max_prefill_tokens)
 
     # ------------------------------------------------------------------ CUDA graphs
-    def _graph_modes(self) -> dict[ForwardMode, int]:
-        """Captured modes and their tokens per request (empty: no graphs). Speculative
-        sub-forwards are not captured yet."""
+    def _graph_modes(self) -> dict[ForwardMode, CapturedMode]:
+        """The modes captured in CUDA graphs (empty: no graphs)."""
         args = self.server_args
         if args.disable_cuda_graph or args.device != "cuda":
             return {}
         reason = None
         if not isinstance(self.attn_backend, GraphCapturableBackend):
             reason = f"--attention-backend {args.attention_backend} cannot be captured"
-        elif args.speculative_algorithm is not None:
-            reason = "speculative sub-forwards are not captured yet"
+        elif self.spec_sizes is not None and args.enable_dp_attention:
+            reason = "speculative sub-forwards under DP attention are not captured yet"
         if reason:
             logger.info("CUDA graphs off: %s", reason)
             return {}
-        return {ForwardMode.DECODE: 1}
+        if self.spec_sizes is not None:
+            return self.spec_sizes.captured_modes(self.is_draft)
+        return {ForwardMode.DECODE: CapturedMode(1)}
 
     def _make_graph_runner(self) -> Optional[CudaGraphRunner]:
         modes = self._graph_modes()
@@ -196,7 +204,8 @@ class ModelRunner:
             logger.info("CUDA graphs off: no batch size to capture")
             return None
         dp_size = args.dp_size if args.enable_dp_attention else None
-        runner = CudaGraphRunner(self, modes, sizes, args.disable_cuda_graph_padding, dp_size)
+        hidden = (self.model_config.hidden_size, self.dtype)
+        runner = CudaGraphRunner(self, modes, sizes, args.disable_cuda_graph_padding, dp_size, hidden)
         runner.capture()
         return runner
 

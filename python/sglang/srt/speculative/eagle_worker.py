@@ -61,16 +61,6 @@ def draft_model_config(server_args: ServerArgs) -> ModelConfig:
     )
 
 
-def _widen_rows(pool: ReqToTokenPool, width: int) -> None:
-    """Draft trees are laid out past a request's KV; make every row at least `width` long.
-    Runs before any request holds a row, so there is nothing to copy."""
-    if pool.req_to_token.shape[1] < width:
-        pool.req_to_token = torch.zeros(
-            (pool.size, width), dtype=pool.req_to_token.dtype, device=pool.req_to_token.device
-        )
-        pool.max_context_len = width
-
-
 class EAGLEWorker:
     def __init__(self, server_args: ServerArgs, target_worker: TpModelWorker, gpu_id: int, tp_rank: int):
         self.target = target_worker
@@ -80,7 +70,7 @@ class EAGLEWorker:
         self.topk = server_args.speculative_eagle_topk
         self.num_draft = server_args.speculative_num_draft_tokens
         self.detect_nan = server_args.enable_nan_detection
-        self.sizes = SpecSizes(self.steps, self.topk, self.num_draft)
+        self.sizes = SpecSizes.from_server_args(server_args)
         target_runner = target_worker.runner
         self.hidden_size = target_runner.model_config.hidden_size
         self.req_to_token_pool = target_runner.req_to_token_pool
@@ -93,12 +83,11 @@ class EAGLEWorker:
             req_to_token_pool=self.req_to_token_pool,
             token_allocator=target_runner.token_allocator,
             gathered_buffer=target_runner.gathered_buffer,
+            is_draft=True,
         )
         self.draft_runner.model.set_embed_and_head(*target_runner.model.get_embed_and_head())
-        context_len = target_runner.model_config.context_len
         # Positions past the context are never emitted (the request stops first); clamp them.
-        self.max_position = context_len - 1
-        _widen_rows(self.req_to_token_pool, context_len + max(self.decode_kv_need_per_req(), self.sizes.draft_extend_rows))
+        self.max_position = target_runner.model_config.context_len - 1
         self.states: dict[str, DraftState] = {}
         # Sub-forwards of the latest iteration: (kind, rows of every DP rank, local rows).
         self.trace: list[tuple[str, Optional[tuple[int, ...]], int]] = []
@@ -109,8 +98,7 @@ class EAGLEWorker:
 
     # ------------------------------------------------------------------ worker interface
     def decode_kv_need_per_req(self) -> int:
-        # Draft-step scratch slots are freed before the verify slots are taken.
-        return max((self.steps - 1) * self.topk, self.num_draft)
+        return self.sizes.decode_kv_need_per_req
 
     def add_request(self, req: Req) -> None:
         self.target.add_request(req)

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.cuda_graph_runner import CapturedMode
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 
 
 class SubForward(enum.Enum):
@@ -38,10 +39,42 @@ class SpecSizes:
     topk: int
     num_draft_tokens: int
 
+    @classmethod
+    def from_server_args(cls, args) -> "SpecSizes":
+        return cls(args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
+
     @property
     def draft_extend_rows(self) -> int:
         """Rows per request of the draft extend after verify (padded: accepted + 1 <= steps + 1)."""
         return self.steps + 1
+
+    @property
+    def decode_kv_need_per_req(self) -> int:
+        """KV slots a decode cycle takes per request; draft-step scratch slots are freed
+        before the verify slots are taken."""
+        return max((self.steps - 1) * self.topk, self.num_draft_tokens)
+
+    @property
+    def tree_row_width(self) -> int:
+        """Request->token table columns a cycle uses past a request's KV."""
+        return max(self.decode_kv_need_per_req, self.draft_extend_rows)
+
+    def captured_modes(self, is_draft: bool) -> dict[ForwardMode, CapturedMode]:
+        """The sub-forwards a CUDA graph captures: target verify on the target; every draft
+        step (one graph per tree width) and the draft extend after verify on the draft."""
+        if not is_draft:
+            n = self.num_draft_tokens
+            return {ForwardMode.TARGET_VERIFY: CapturedMode(n, (n,), CaptureHiddenMode.FULL)}
+        k = self.topk
+        modes = {
+            ForwardMode.DRAFT_EXTEND: CapturedMode(
+                self.draft_extend_rows, capture_hidden=CaptureHiddenMode.LAST, draft_input=True, logits_at_rows=True
+            )
+        }
+        if self.steps > 1:  # step t's k tokens see the prefix and a tree of (t + 1) k columns
+            widths = tuple((t + 1) * k for t in range(self.steps - 1))
+            modes[ForwardMode.DRAFT_DECODE] = CapturedMode(k, widths, CaptureHiddenMode.FULL, draft_input=True)
+        return modes
 
 
 @dataclass(frozen=True)
