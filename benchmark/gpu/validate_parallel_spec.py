@@ -4,7 +4,7 @@ With --gpus 2: greedy tokens under TP, DP attention (eager and with decode CUDA 
 NEXTN + DP attention equal the single-GPU plain run, a perfect draft accepts steps + 1 on every DP rank, and decode
 throughput of tp2 against tp2 + dp2 on a DeepSeek-V2-Lite-shaped dummy model.
 With --gpus 1: the same speculative checks (NEXTN chain and tree, EAGLE, perfect draft) on one
-GPU with the Triton backend.
+GPU with the Triton backend, eagerly and with CUDA graphs.
 
     source .device/env.sh && python3 benchmark/gpu/validate_parallel_spec.py --gpus 2 --out $OUT
 """
@@ -70,16 +70,23 @@ def main() -> None:
             rows.append(check(f"{name} tp2", path, references[name], dtype="float32", tp_size=2, disable_cuda_graph=True))
             rows.append(check(f"{name} {where}", path, references[name], dtype="float32", disable_cuda_graph=True, **DP_ATTN))
             rows.append(check(f"{name} {where} cuda graphs", path, references[name], dtype="float32", **DP_ATTN))
-    for topk, tokens in ((1, 4), (4, 8)):
-        spec = {**NEXTN, "speculative_eagle_topk": topk, "speculative_num_draft_tokens": tokens}
-        rows.append(check(f"dsv3 NEXTN topk{topk} {where}", dsv3, references["dsv3"], dtype="float32", disable_cuda_graph=True, **parallel, **spec))
     eagle = make_eagle_head(llama, os.path.join(tmp, "eagle"))
-    spec = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": eagle, "speculative_num_steps": 3,
-            "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8}
-    rows.append(check(f"llama EAGLE topk4 {where}", llama, references["llama"], dtype="float32", disable_cuda_graph=True, **parallel, **spec))
-    reference, _ = greedy(perfect, dtype="float32", disable_cuda_graph=True)
-    spec = {**NEXTN, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
-    rows.append(check(f"perfect NEXTN {where} (accept len must be 4.0 per rank)", perfect, reference, dtype="float32", disable_cuda_graph=True, **parallel, **spec))
+    perfect_reference, _ = greedy(perfect, dtype="float32", disable_cuda_graph=True)
+    spec_cases = [
+        (f"dsv3 NEXTN topk{k}", dsv3, references["dsv3"], {**NEXTN, "speculative_eagle_topk": k, "speculative_num_draft_tokens": n})
+        for k, n in ((1, 4), (4, 8))
+    ] + [
+        ("llama EAGLE topk4", llama, references["llama"],
+         {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": eagle, "speculative_num_steps": 3,
+          "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8}),
+        ("perfect NEXTN (accept len must be 4.0 per rank)", perfect, perfect_reference,
+         {**NEXTN, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}),
+    ]
+    # One GPU: speculative sub-forwards eagerly and through CUDA graphs (same tokens, same accept).
+    for graphs in ((False, True) if args.gpus == 1 else (False,)):
+        for name, path, reference, spec in spec_cases:
+            label = f"{name} {where}" + (" cuda graphs" if graphs else "")
+            rows.append(check(label, path, reference, dtype="float32", disable_cuda_graph=not graphs, **parallel, **spec))
     with open(os.path.join(args.out, f"validate_{args.gpus}gpu.jsonl"), "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
