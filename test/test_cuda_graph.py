@@ -153,7 +153,7 @@ def test_key_for_picks_padded_decode_graph_or_eager():
     extend.mode = ForwardMode.EXTEND
     assert _choice(graphs, extend, table) is None
     masked = fb(2)
-    masked.custom_mask = torch.ones(10, dtype=torch.bool)
+    masked.custom_mask = torch.ones((2, 5), dtype=torch.bool)
     assert _choice(graphs, masked, table) is None
     hidden = fb(2)
     hidden.capture_hidden_mode = CaptureHiddenMode.LAST
@@ -416,9 +416,11 @@ class _WorkAsGraph:
         _WorkAsGraph.replays[self.key.mode] = _WorkAsGraph.replays.get(self.key.mode, 0) + 1
 
 
-def _emulate_graphs(runner: ModelRunner, modes: dict[ForwardMode, CapturedMode], sizes: list[int]) -> None:
+def _emulate_graphs(
+    runner: ModelRunner, modes: dict[ForwardMode, CapturedMode], sizes: list[int], dp_size: Optional[int] = None
+) -> None:
     """What ModelRunner does on CUDA (a CudaGraphRunner over the modes), with _WorkAsGraph graphs."""
-    graphs = CudaGraphRunner(runner, modes, sizes, False, hidden=(runner.model_config.hidden_size, runner.dtype))
+    graphs = CudaGraphRunner(runner, modes, sizes, False, dp_size, hidden=(runner.model_config.hidden_size, runner.dtype))
     width = runner.req_to_token_pool.req_to_token.shape[1]
     runner.attn_backend.init_cuda_graph_state(graphs.max_bs, graphs.max_bs * width, torch.device("cpu"))
     largest = max(graphs.keys, key=lambda k: k.num_tokens)
@@ -431,21 +433,26 @@ SPEC_PROMPTS = [[5, 17, 42, 99, 7, 3], [8, 9, 10], [100, 101, 102, 103, 104]]
 SPEC_MAX_NEW = [10, 4, 7]  # finishing at different cycles: batches of 3, 2, 1 replay padded graphs
 
 
-def _spec_greedy(path: str, graphs: bool, **spec) -> tuple[list[list[int]], float]:
+def _spec_args(path: str, **args) -> ServerArgs:
+    return ServerArgs(
+        model_path=path, device="cpu", dtype="float32", attention_backend="triton", max_total_tokens=1024,
+        max_running_requests=4, disable_radix_cache=True, **args,
+    )
+
+
+def _spec_greedy(
+    args: ServerArgs, graphs: bool, prompts: list[list[int]], max_new: list[int], tp_rank: int = 0, port_args=None
+) -> tuple[list[list[int]], float]:
     import test_triton_kernels  # noqa: F401  (patches the interpreter for NumPy >= 2.4)
     from sglang.srt.speculative.spec_plan import SpecSizes
     from sglang.test.inprocess_scheduler import greedy, start_scheduler
 
-    args = ServerArgs(
-        model_path=path, device="cpu", dtype="float32", attention_backend="triton", max_total_tokens=1024,
-        max_running_requests=4, disable_radix_cache=True, **spec,
-    )
-    scheduler = start_scheduler(args)
+    scheduler = start_scheduler(args, tp_rank, port_args)
     if graphs:
-        sizes = SpecSizes.from_server_args(args)
-        _emulate_graphs(scheduler.runner, sizes.captured_modes(is_draft=False), [1, 2, 4])
-        _emulate_graphs(scheduler.spec_worker.draft_runner, sizes.captured_modes(is_draft=True), [1, 2, 4])
-    return greedy(scheduler, SPEC_PROMPTS, SPEC_MAX_NEW), scheduler.avg_spec_accept_length()
+        sizes, dp = SpecSizes.from_server_args(args), (args.dp_size if args.enable_dp_attention else None)
+        _emulate_graphs(scheduler.runner, sizes.captured_modes(is_draft=False), [1, 2, 4], dp)
+        _emulate_graphs(scheduler.spec_worker.draft_runner, sizes.captured_modes(is_draft=True), [1, 2, 4], dp)
+    return greedy(scheduler, prompts, max_new), scheduler.avg_spec_accept_length()
 
 
 @pytest.fixture(scope="module")
@@ -477,10 +484,39 @@ def test_captured_work_matches_eager_spec(request, case):
     path = request.getfixturevalue(path)
     if spec["speculative_algorithm"] == "EAGLE":
         spec["speculative_draft_model_path"] = request.getfixturevalue("llama_eagle_head")
-    eager_ids, eager_accept = _spec_greedy(path, graphs=False, **spec)
+    args = _spec_args(path, **spec)
+    eager_ids, eager_accept = _spec_greedy(args, False, SPEC_PROMPTS, SPEC_MAX_NEW)
     _WorkAsGraph.replays = {}
-    graph_ids, graph_accept = _spec_greedy(path, graphs=True, **spec)
+    graph_ids, graph_accept = _spec_greedy(args, True, SPEC_PROMPTS, SPEC_MAX_NEW)
     assert graph_ids == eager_ids and graph_accept == eager_accept
     assert set(_WorkAsGraph.replays) == {ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE, ForwardMode.DRAFT_EXTEND}
     if case == "perfect NEXTN chain":
         assert eager_accept == 4.0
+
+
+def _dp_spec_worker(rank: int, args: ServerArgs, port_args, results) -> None:
+    torch.set_num_threads(1)
+    # DP rank 0 decodes three requests; DP rank 1 one short request, then idles through the
+    # other rank's cycles: its verify, draft steps and draft extends replay padded graphs too.
+    prompts, max_new = (SPEC_PROMPTS, SPEC_MAX_NEW) if rank == 0 else ([[30, 31, 32, 33]], [3])
+    ids, accept = _spec_greedy(args, True, prompts, max_new, tp_rank=rank, port_args=port_args)
+    results[rank] = (ids, accept, sorted(m.name for m in _WorkAsGraph.replays))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
+def test_captured_work_matches_eager_spec_dp_attention(perfect_dsv3_dir):
+    """NEXTN under --tp 2 --dp 2 --enable-dp-attention with every verify, draft step and
+    draft extend going through the graphs' captured work (the key from the plan, idle ranks
+    included): the single-rank eager tokens, and accept length 4.0 on both DP ranks."""
+    import torch.multiprocessing as mp
+
+    from sglang.srt.server_args import PortArgs
+
+    spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+    single, _ = _spec_greedy(_spec_args(perfect_dsv3_dir, **spec), False, SPEC_PROMPTS + [[30, 31, 32, 33]], SPEC_MAX_NEW + [3])
+    args = _spec_args(perfect_dsv3_dir, tp_size=2, dp_size=2, enable_dp_attention=True, **spec)
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_dp_spec_worker, args=(args, PortArgs.init_new(args), results), nprocs=2)
+    assert results[0][0] == single[:3] and results[1][0] == single[3:]
+    assert results[0][1] == results[1][1] == 4.0
+    assert results[0][2] == results[1][2] == ["DRAFT_DECODE", "DRAFT_EXTEND", "TARGET_VERIFY"]

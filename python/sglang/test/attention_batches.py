@@ -78,7 +78,7 @@ def make_attention_batch(
     if tree:
         cols = max(ext_lens, default=0)  # every request's tree covers its last `cols` columns
         mask = torch.cat([tree_mask(e, cols, gen) for e in ext_lens] + [torch.zeros(0, cols, dtype=torch.bool)])
-        mask = mask.flatten().to(device)
+        mask = mask.to(device)
     fb = ForwardBatch(
         mode=ForwardMode.TARGET_VERIFY if tree else ForwardMode.EXTEND,
         batch_size=bs,

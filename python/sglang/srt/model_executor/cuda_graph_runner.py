@@ -133,6 +133,10 @@ def padded_batch_size(batch_size: int, captured: Sequence[int], disable_padding:
     return captured[i]
 
 
+def _tree_cols(fb: ForwardBatch) -> int:
+    return fb.custom_mask.shape[1] if fb.custom_mask is not None else 0
+
+
 # ---------------------------------------------------------------------- static inputs
 class StaticInputs:
     """The input buffers every graph reads, sized for the largest key."""
@@ -178,14 +182,18 @@ class StaticInputs:
         self.seq_lens[bs : key.batch_size].fill_(key.pad_seq_len)
         self.extend_seq_lens[:bs].copy_(fb.extend_seq_lens)
         self.extend_seq_lens[bs : key.batch_size].fill_(tpr)
+        # An IDLE batch (DP attention) has no rows to copy: everything is padding.
         if key.tree_cols:  # padded rows see their whole (padding) tree
-            self.custom_mask[: n * key.tree_cols].copy_(fb.custom_mask)
+            if n:
+                self.custom_mask[: n * key.tree_cols].copy_(fb.custom_mask.flatten())
             self.custom_mask[n * key.tree_cols : key.num_tokens * key.tree_cols].fill_(True)
         if mode.draft_input:
-            self.hidden_states[:n].copy_(fb.spec_info.hidden_states)
+            if n:
+                self.hidden_states[:n].copy_(fb.spec_info.hidden_states)
             self.hidden_states[n : key.num_tokens].zero_()
         if mode.logits_at_rows:  # a padded request's logits row: its own last token
-            self.logits_indices[:bs].copy_(fb.logits_indices)
+            if bs:
+                self.logits_indices[:bs].copy_(fb.logits_indices)
             self.logits_indices[bs : key.batch_size].copy_(torch.arange(bs, key.batch_size) * tpr + tpr - 1)
         return replace(
             self.batch(key, mode),
@@ -207,7 +215,7 @@ class StaticInputs:
             extend_seq_lens=self.extend_seq_lens[:bs],
             seq_lens_cpu=[key.pad_seq_len] * bs,
             extend_seq_lens_cpu=[key.tokens_per_req] * bs,
-            custom_mask=self.custom_mask[: n * key.tree_cols] if key.tree_cols else None,
+            custom_mask=self.custom_mask[: n * key.tree_cols].view(n, key.tree_cols) if key.tree_cols else None,
             capture_hidden_mode=mode.capture_hidden,
             logits_indices=self.logits_indices[:bs] if mode.logits_at_rows else None,
             spec_info=SpecInput(self.hidden_states[:n]) if mode.draft_input else None,
@@ -274,7 +282,7 @@ class CudaGraphRunner:
         if fb.req_to_token_pool.req_to_token is not self.req_to_token:
             return None
         if fb.global_num_tokens is not None:
-            key = self.dp_key(fb.global_forward_mode, fb.global_num_tokens)
+            key = self.dp_key(fb.global_forward_mode, fb.global_num_tokens, _tree_cols(fb))
             fits = (
                 key is not None
                 and fb.mode in (key.mode, ForwardMode.IDLE)
@@ -285,7 +293,7 @@ class CudaGraphRunner:
         mode = self.modes.get(fb.mode)
         if mode is None or fb.batch_size < 1 or fb.num_tokens != fb.batch_size * mode.tokens_per_req:
             return None
-        tree_cols = fb.custom_mask.numel() // fb.num_tokens if fb.custom_mask is not None else 0
+        tree_cols = _tree_cols(fb)
         if tree_cols not in mode.tree_cols or not self._matches(fb, mode, tree_cols):
             return None
         bs = padded_batch_size(fb.batch_size, self.batch_sizes, self.disable_padding)
@@ -303,17 +311,20 @@ class CudaGraphRunner:
             and (fb.logits_indices is not None) == mode.logits_at_rows
         )
 
-    def dp_key(self, global_mode: Optional[ForwardMode], global_num_tokens: Sequence[int]) -> Optional[GraphKey]:
-        """DP attention: the key every rank replays this iteration, from the plan alone (so all
-        ranks choose alike): the graph of the largest DP rank's batch, or None (all eager)."""
+    def dp_key(
+        self, global_mode: Optional[ForwardMode], global_num_tokens: Sequence[int], tree_cols: int = 0
+    ) -> Optional[GraphKey]:
+        """DP attention: the key every rank replays in this forward, from the plan alone (so all
+        ranks choose alike; tree_cols too is the same on every rank, idle ones included): the
+        graph of the largest DP rank's batch, or None (all eager)."""
         mode = self.modes.get(global_mode) if global_mode is not None else None
-        if self.inputs.dp_size is None or mode is None or mode.tree_cols != (0,):
+        if self.inputs.dp_size is None or mode is None or tree_cols not in mode.tree_cols:
             return None
         tpr = mode.tokens_per_req
         if any(n % tpr for n in global_num_tokens):
             return None
         bs = padded_batch_size(max(global_num_tokens) // tpr, self.batch_sizes, self.disable_padding)
-        return None if bs is None else GraphKey(global_mode, bs, tpr)
+        return None if bs is None else GraphKey(global_mode, bs, tpr, tree_cols)
 
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()

@@ -54,9 +54,9 @@ class ForwardBatch:
     # Host copies of the lengths, filled when the batch is built (never read back from device).
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
-    # Tree mask, bool [num_tokens, tree_cols] flattened: query token t sees every KV column of
-    # its request before the last tree_cols, and the last tree_cols where its row is set
-    # (tree_cols, the same for every request, is numel / num_tokens, at most every seq_len).
+    # Tree mask, bool [num_tokens, tree_cols]: query token t sees every KV column of its
+    # request before the last tree_cols, and the last tree_cols where its row is set
+    # (tree_cols, the same for every request, is at most every seq_len).
     # None means causal over the new tokens with full visibility of the prefix.
     custom_mask: Optional[torch.Tensor] = None
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL

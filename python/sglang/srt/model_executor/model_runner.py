@@ -180,8 +180,6 @@ class ModelRunner:
         reason = None
         if not isinstance(self.attn_backend, GraphCapturableBackend):
             reason = f"--attention-backend {args.attention_backend} cannot be captured"
-        elif self.spec_sizes is not None and args.enable_dp_attention:
-            reason = "speculative sub-forwards under DP attention are not captured yet"
         if reason:
             logger.info("CUDA graphs off: %s", reason)
             return {}

@@ -45,6 +45,15 @@ logger = logging.getLogger(__name__)
 
 NEXTN_ARCHITECTURE = "DeepseekV3ForCausalLMNextN"
 _TARGET_SUB_FORWARDS = (SubForward.TARGET_EXTEND, SubForward.TARGET_VERIFY)
+# Under DP attention, the mode every rank (idle ones too) names a sub-forward by when choosing
+# its CUDA graph; the draft extend after a prefill has varying lengths and stays eager.
+_GLOBAL_MODE = {
+    SubForward.TARGET_EXTEND: ForwardMode.EXTEND,
+    SubForward.DRAFT_EXTEND_PREFILL: ForwardMode.EXTEND,
+    SubForward.DRAFT_STEP: ForwardMode.DRAFT_DECODE,
+    SubForward.TARGET_VERIFY: ForwardMode.TARGET_VERIFY,
+    SubForward.DRAFT_EXTEND: ForwardMode.DRAFT_EXTEND,
+}
 _DUMMY_SLOT = 0  # TokenToKVPoolAllocator never hands out slot 0
 
 
@@ -134,6 +143,8 @@ class EAGLEWorker:
     def _forward(self, runner: ModelRunner, fb: ForwardBatch, kind: SubForward, it: SpecIterationPlan) -> LogitsProcessorOutput:
         """Every sub-forward goes through here: sets its DP sizes and records it."""
         fb.global_num_tokens = it.global_num_tokens(kind)
+        if fb.global_num_tokens is not None:
+            fb.global_forward_mode = _GLOBAL_MODE[kind]
         buffer = runner.gathered_buffer
         if fb.spec_info is not None and buffer is not None and fb.num_tokens:
             # Invariant: a hidden state handed to the draft is never a view of the gathered buffer.
@@ -143,9 +154,18 @@ class EAGLEWorker:
         return runner.forward(fb)
 
     def _idle(self, it: SpecIterationPlan, kinds: list[SubForward]) -> None:
-        """Zero-row sub-forwards: this rank has no work in the phase but joins its collectives."""
+        """Zero-row sub-forwards: this rank has no work in the phase but joins its collectives
+        (and, with CUDA graphs, replays the same graph as the busy ranks: a masked sub-forward
+        carries a zero-row mask of the busy ranks' tree width)."""
+        draft_steps = 0
         for kind in kinds:
             target = kind in _TARGET_SUB_FORWARDS
+            tree_cols = 0
+            if kind == SubForward.TARGET_VERIFY:
+                tree_cols = self.num_draft
+            elif kind == SubForward.DRAFT_STEP:
+                draft_steps += 1
+                tree_cols = draft_steps * self.topk
             runner = self.target.runner if target else self.draft_runner
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             hidden = torch.empty((0, self.hidden_size), dtype=runner.dtype, device=self.device)
@@ -158,6 +178,7 @@ class EAGLEWorker:
                 req_pool_indices=empty,
                 seq_lens=empty,
                 extend_seq_lens=empty,
+                custom_mask=torch.zeros((0, tree_cols), dtype=torch.bool, device=self.device) if tree_cols else None,
                 spec_info=None if target else SpecInput(hidden),
             )
             self._forward(runner, fb, kind, it)
@@ -233,7 +254,7 @@ class EAGLEWorker:
         for every request, the batch's tree_cols)."""
         ext = [m.shape[0] for m in tree_masks]
         seq = [r.kv_len + m.shape[1] for r, m in zip(reqs, tree_masks)]
-        mask = torch.cat([m.flatten() for m in tree_masks])
+        mask = torch.cat(tree_masks)
         return ForwardBatch(
             mode=mode,
             batch_size=len(reqs),

@@ -48,9 +48,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _mask(fb: ForwardBatch, row: int, ext: int, seq: int, device) -> torch.Tensor:
         """[ext, seq] visibility of the request whose query rows start at `row`."""
         if fb.custom_mask is not None:
-            tree_cols = fb.custom_mask.numel() // fb.num_tokens
-            tree = fb.custom_mask.view(-1, tree_cols)[row : row + ext]
-            return torch.cat([torch.ones((ext, seq - tree_cols), dtype=torch.bool, device=device), tree], dim=1)
+            tree = fb.custom_mask[row : row + ext]
+            return torch.cat([torch.ones((ext, seq - tree.shape[1]), dtype=torch.bool, device=device), tree], dim=1)
         prefix = seq - ext
         cols = torch.arange(seq, device=device)
         rows = torch.arange(ext, device=device) + prefix

@@ -143,9 +143,9 @@ def extend_attention(
 
     Request i owns query rows qo_indptr[i]:qo_indptr[i+1] and KV slots
     kv_indices[kv_indptr[i]:kv_indptr[i+1]] (prefix then its new tokens). max_extend_len
-    bounds the query blocks (a host value). custom_mask (bool, [T, tree_cols] flattened):
+    bounds the query blocks (a host value). custom_mask (bool, [T, tree_cols], contiguous):
     query row t sees the columns before its request's last tree_cols, and the last tree_cols
-    where custom_mask[t] is set; tree_cols (the same for every request) is its size over T.
+    where custom_mask[t] is set.
     """
     num_tokens, num_heads, lk = q.shape
     num_kv_heads, lv = k_cache.shape[1], v_cache.shape[-1]
@@ -156,7 +156,7 @@ def extend_attention(
     block_m, block_n, num_warps = _tile_sizes(tiling)
     use_mask = custom_mask is not None
     mask = custom_mask.view(torch.uint8) if use_mask else q  # placeholder pointer, never read
-    tree_cols = custom_mask.numel() // num_tokens if use_mask else 0
+    tree_cols = custom_mask.shape[1] if use_mask else 0
     _extend_kernel[(bs, num_heads, triton.cdiv(max_extend_len, block_m))](
         q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, mask, tree_cols,
         scaling * LOG2E,
