@@ -234,6 +234,16 @@ def _kv_snapshot(runner: ModelRunner) -> list[torch.Tensor]:
     return [t.clone() for t in _kv_buffers(runner)]
 
 
+def _key_and_eager_logits(graphs: CudaGraphRunner, runner: ModelRunner, fb: ForwardBatch):
+    """The graph key fb would replay, and its eager logits (the KV it wrote undone)."""
+    runner.attach(fb)
+    key = graphs.key_for(fb)
+    before = _kv_snapshot(runner)
+    eager = runner.forward_eager(fb).next_token_logits
+    _kv_restore(runner, before)
+    return key, eager
+
+
 def _kv_restore(runner: ModelRunner, snapshot: list[torch.Tensor]) -> None:
     for buf, saved in zip(_kv_buffers(runner), snapshot):
         buf.copy_(saved)
@@ -291,11 +301,7 @@ def test_captured_work_matches_eager_triton(tiny_llama_dir):
     driver = HandDriver(runner, PROMPTS)
     for _ in range(2):
         fb = driver.decode_batch()
-        runner.attach(fb)
-        key = graphs.key_for(fb)
-        before = _kv_snapshot(runner)
-        eager = runner.forward_eager(fb).next_token_logits
-        _kv_restore(runner, before)
+        key, eager = _key_and_eager_logits(graphs, runner, fb)
         graphs.inputs.load(fb, key, PLAIN)
         out = graphs._run(graphs.inputs.batch(key, PLAIN), key).next_token_logits
         torch.testing.assert_close(out[:3], eager, rtol=1e-4, atol=1e-4)
@@ -324,12 +330,8 @@ def _dp_captured_work_worker(rank: int, world: int, path: str) -> None:
         idle = rank == 1 and step == 2
         fb = _idle_fb() if idle else driver.decode_batch()
         fb.global_num_tokens, fb.global_forward_mode = [3, 0 if step == 2 else 1], DECODE
-        runner.attach(fb)
-        key = graphs.key_for(fb)
+        key, eager = _key_and_eager_logits(graphs, runner, fb)
         assert key == GraphKey(DECODE, 4, 1)
-        before = _kv_snapshot(runner)
-        eager = runner.forward_eager(fb).next_token_logits
-        _kv_restore(runner, before)
         graphs.inputs.load(fb, key, PLAIN)
         out = graphs._run(graphs.inputs.batch(key, PLAIN), key).next_token_logits
         torch.testing.assert_close(out[: fb.batch_size], eager, rtol=1e-4, atol=1e-4)
@@ -367,12 +369,8 @@ def test_graph_replay_matches_eager(request, model, dtype):
     driver = HandDriver(runner, PROMPTS)
     for _ in range(6):
         fb = driver.decode_batch()
-        runner.attach(fb)
-        key = graphs.key_for(fb)
+        key, eager = _key_and_eager_logits(graphs, runner, fb)
         assert key == GraphKey(DECODE, 4, 1)
-        before = _kv_snapshot(runner)
-        eager = runner.forward_eager(fb).next_token_logits
-        _kv_restore(runner, before)
         out = runner.forward(fb).next_token_logits
         assert out.shape == eager.shape
         tol = 1e-4 if dtype == "float32" else 2e-2
