@@ -17,15 +17,20 @@ import os
 import sys
 import tempfile
 
-import sglang as sgl
-from sglang.srt.server_args import prepare_server_args
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import sglang as sgl  # noqa: E402
+from bench_decode import dummy_model_dir  # noqa: E402
+from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
 
 def main() -> None:
     argv = sys.argv[1:]
     engine_argv = argv[argv.index("--") + 1 :] if "--" in argv else []
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path", required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model-path", help="a real model")
+    source.add_argument("--config", help="HF config.json: random weights of that shape")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
@@ -33,7 +38,9 @@ def main() -> None:
     parser.add_argument("--output-dir", default=None, help="default: a new temporary directory")
     parser.add_argument("--rows", type=int, default=30, help="rows of each table to print")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    server_args = prepare_server_args(["--model-path", args.model_path, *engine_argv])
+    model_path = dummy_model_dir(args.config) if args.config else args.model_path
+    dummy = ["--load-format", "dummy"] if args.config else []
+    server_args = prepare_server_args(["--model-path", model_path, *dummy, *engine_argv])
     out_dir = args.output_dir or tempfile.mkdtemp(prefix="profile-")
     prompts = [[(7 * b + i) % 1000 + 10 for i in range(args.input_len)] for b in range(args.batch_size)]
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}

@@ -33,5 +33,18 @@ case "${1:-}" in
       --batch-sizes 1 -- --disable-cuda-graph --speculative-algorithm NEXTN --speculative-num-steps 3 \
       --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
     ;;
-  *) echo "usage: validate.sh kernels|decode"; exit 2 ;;
+  graphs)  # one GPU: CUDA graphs for plain decode and for every speculative sub-forward
+    nextn="--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
+    step graph_tests 300 python3 -m pytest -q -x test/test_cuda_graph.py
+    step spec_graphs_equal 400 python3 benchmark/gpu/validate_parallel_spec.py --gpus 1 --out "$out"
+    step dsv2lite_plain 200 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
+      --batch-sizes 1 32 -- --cuda-graph-max-bs 32
+    # shellcheck disable=SC2086
+    step dsv2lite_nextn_graphs 300 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
+      --batch-sizes 1 32 -- --cuda-graph-max-bs 32 $nextn
+    step smollm2_graphs 150 python3 benchmark/bench_decode.py --model-path "$smollm2" --batch-sizes 1 32 -- --cuda-graph-max-bs 32
+    step llama8b_profile 200 python3 benchmark/profile_engine.py --config benchmark/configs/llama-3.1-8b.json \
+      --output-dir "$out/profile" -- --cuda-graph-max-bs 8
+    ;;
+  *) echo "usage: validate.sh kernels|decode|graphs"; exit 2 ;;
 esac
