@@ -26,7 +26,7 @@ case "${1:-}" in
   decode)
     step llama8b_decode 200 python3 benchmark/bench_decode.py --config benchmark/configs/llama-3.1-8b.json \
       --batch-sizes 1 32 -- --disable-cuda-graph
-    step llama8b_hf 200 python3 benchmark/bench_hf_decode.py --config benchmark/configs/llama-3.1-8b.json --batch-sizes 1 32
+    step llama8b_hf 500 python3 benchmark/bench_hf_decode.py --config benchmark/configs/llama-3.1-8b.json --batch-sizes 1 32
     step dsv2lite_decode 200 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
       --batch-sizes 1 32 -- --disable-cuda-graph
     step dsv2lite_nextn 200 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
