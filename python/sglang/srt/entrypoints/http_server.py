@@ -105,7 +105,7 @@ def create_app(tokenizer_manager: TokenizerManager, scheduler_info: dict[str, An
     @app.post("/generate")
     async def generate(obj: GenerateReqInput, request: Request) -> Response:
         if obj.stream:
-            outputs = tokenizer_manager.generate_request(obj)
+            outputs = tokenizer_manager.generate_request(obj, request)
             if server_args.stream_output:
                 outputs = incremental_outputs(outputs)
             return sse_response(await start_stream(outputs))

@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 _SEND_TIMEOUT_MS = 5000
 
 # How often a waiting non-streaming request checks whether its HTTP client went away.
-_DISCONNECT_POLL_S = 1.0
+_DISCONNECT_POLL_S = 0.25
 _CONTROL_TIMEOUT_S = 60.0
 
 
@@ -293,14 +293,20 @@ class TokenizerManager:
         if not self._send_to_scheduler(req):
             state.error = "The scheduler is not reachable"
             state.event.set()
+        next_check = time.monotonic() + _DISCONNECT_POLL_S
         try:
             while True:
                 try:
                     await asyncio.wait_for(state.event.wait(), _DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
-                    if request is not None and await request.is_disconnected():
+                    pass
+                # Checked while outputs keep coming too: a fast stream must not outrun its abort.
+                if request is not None and time.monotonic() >= next_check:
+                    next_check = time.monotonic() + _DISCONNECT_POLL_S
+                    if await request.is_disconnected():
                         logger.info("Client of request %s disconnected; aborting it", req.rid)
                         return
+                if not state.event.is_set():
                     continue
                 state.event.clear()
                 if state.error is not None:

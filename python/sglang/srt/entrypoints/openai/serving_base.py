@@ -81,4 +81,4 @@ class OpenAIServingBase:
 
     def generate(self, obj: GenerateReqInput, raw_request) -> AsyncIterator[Any]:
         # Streaming responses notice a gone client through cancellation, not polling.
-        return self.tm.generate_request(obj, None if obj.stream else raw_request)
+        return self.tm.generate_request(obj, raw_request)
