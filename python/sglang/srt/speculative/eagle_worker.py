@@ -289,7 +289,9 @@ class EAGLEWorker:
         for b, req in enumerate(reqs):
             self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, scratch[b])
         input_cand = torch.arange(k, device=self.device).expand(bs, k)  # candidate number of each input
-        ancestors = torch.eye(k, dtype=torch.bool).expand(bs, k, k)  # [bs, k, (t+1)k] on the host
+        # Tree mask of step t, [bs, k, (t+1)k], built on the device (no host sync between steps).
+        itself = torch.eye(k, dtype=torch.bool, device=self.device).expand(bs, k, k)
+        ancestors = itself
         arange_bs = torch.arange(bs, device=self.device).view(-1, 1)
         for t in range(self.steps - 1):
             fb = self._tree_batch(
@@ -314,11 +316,7 @@ class EAGLEWorker:
             parent_input = flat // k
             input_cand = k + t * k * k + flat
             hidden = out.hidden_states.view(bs, k, -1)[arange_bs, parent_input].flatten(0, 1)
-            parent_cpu = parent_input.cpu()
-            ancestors = torch.cat(
-                [ancestors[torch.arange(bs).view(-1, 1), parent_cpu], torch.eye(k, dtype=torch.bool).expand(bs, k, k)],
-                dim=2,
-            )
+            ancestors = torch.cat([ancestors[arange_bs, parent_input], itself], dim=2)
         self.kv.allocator.free(scratch.flatten())
         return torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1)
 
