@@ -36,11 +36,19 @@ def _generate(engine, prompts=PROMPTS, max_new=MAX_NEW):
     return [o["output_ids"] for o in outs]
 
 
-@pytest.fixture(scope="module", params=["llama", "deepseek"])
-def model_and_reference(request, tiny_llama_dir, tiny_deepseek_v3_dir):
-    path = tiny_llama_dir if request.param == "llama" else tiny_deepseek_v3_dir
+def _single_rank_reference(path: str) -> tuple[str, list[list[int]]]:
     with sgl.Engine(model_path=path, device="cpu") as engine:
         return path, _generate(engine)
+
+
+@pytest.fixture(scope="module", params=["llama", "deepseek"])
+def model_and_reference(request, tiny_llama_dir, tiny_deepseek_v3_dir):
+    return _single_rank_reference(tiny_llama_dir if request.param == "llama" else tiny_deepseek_v3_dir)
+
+
+@pytest.fixture(scope="module")
+def llama_and_reference(tiny_llama_dir):
+    return _single_rank_reference(tiny_llama_dir)
 
 
 def _states(engine):
@@ -124,11 +132,10 @@ def test_stuck_rank_trips_the_watchdog_and_the_server_exits(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("dp_attention", [False, True], ids=["tp2", "tp2-dp2-dpattn"])
-def test_two_nodes_on_one_machine(model_and_reference, dp_attention):
-    """--nnodes 2: node 1 runs tp rank 1 only; node 0 runs rank 0 and the HTTP server."""
-    path, reference = model_and_reference
-    if "llama" not in path:
-        pytest.skip("one model is enough for the launch topology")
+def test_two_nodes_on_one_machine(llama_and_reference, dp_attention):
+    """--nnodes 2: node 1 runs tp rank 1 only; node 0 runs rank 0 and the HTTP server
+    (one model is enough for the launch topology)."""
+    path, reference = llama_and_reference
     port = find_free_port()
     args = ["--device", "cpu", "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
     if dp_attention:

@@ -27,7 +27,15 @@ User asks, assistant answers. The sky is blue and the grass is green; water is w
 
 
 def make_tiny_tokenizer(path: str, vocab_size: int = 384) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on a built-in text; special tokens bos/eos/pad and a chat template."""
+    """Byte-level BPE trained on a built-in text, saved to path."""
+    fast = train_bpe_tokenizer(_TRAINING_TEXT.splitlines(), vocab_size)
+    os.makedirs(path, exist_ok=True)
+    fast.save_pretrained(path)
+    return fast
+
+
+def train_bpe_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on texts; special tokens bos/eos/pad and a chat template."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -37,11 +45,9 @@ def make_tiny_tokenizer(path: str, vocab_size: int = 384) -> PreTrainedTokenizer
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_TRAINING_TEXT.splitlines(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
     fast.chat_template = CHAT_TEMPLATE
-    os.makedirs(path, exist_ok=True)
-    fast.save_pretrained(path)
     return fast
 
 

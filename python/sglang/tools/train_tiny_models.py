@@ -35,11 +35,10 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import nn
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
 
-from sglang.test.tiny_models import BOS, CHAT_TEMPLATE, EOS, PAD
+from sglang.test.tiny_models import train_bpe_tokenizer
 from sglang.tools.draft_heads import EagleHead, MTPHead, draft_loss
 
 HOLDOUT_EVERY = 10
@@ -98,18 +97,7 @@ def sample_batch(stream: torch.Tensor, batch: int, seq_len: int, gen: torch.Gene
 
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str) -> PreTrainedTokenizerFast:
     """Byte-level BPE on the training texts, with bos/eos/pad and a chat template, saved to out_dir."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[BOS, EOS, PAD],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
-    fast.chat_template = CHAT_TEMPLATE
+    fast = train_bpe_tokenizer(texts, vocab_size)
     fast.save_pretrained(out_dir)
     return fast
 
@@ -213,15 +201,7 @@ def train_deepseek(args: argparse.Namespace, train_texts: list[str], heldout_tex
             mtp, accs = draft_loss(head, embed, lm_head, ids, hidden)
         return main + MTP_WEIGHT * mtp, f"main {main.item():.3f} mtp {mtp.item():.3f} {accuracy_text(accs)}"
 
-    def distill_step(batch: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, str]:
-        ids = sample_batch(stream, args.batch_size, args.seq_len, gen, args.device) if batch is None else batch
-        with autocast(args.device):
-            with torch.no_grad():
-                hidden = model.model(input_ids=ids).last_hidden_state
-                logits = lm_head(hidden)
-            loss, accs = draft_loss(head, embed, lm_head, ids, hidden, logits, args.unroll, HIDDEN_WEIGHT)
-        return loss, accuracy_text(accs)
-
+    distill_step = distillation_step(model, head, stream, gen, args)
     budget = args.minutes * 60
     steps = args.max_steps
     params = list(model.parameters()) + list(head.parameters())
@@ -231,6 +211,25 @@ def train_deepseek(args: argparse.Namespace, train_texts: list[str], heldout_tex
     evaluate("deepseek", lambda ids: distill_step(ids)[1], heldout, args)
     save_deepseek(model, head, out_dir, save_dtype(args.device))
     return out_dir
+
+
+def distillation_step(
+    target: nn.Module, head: nn.Module, stream: torch.Tensor, gen: torch.Generator, args: argparse.Namespace
+) -> Callable[[Optional[torch.Tensor]], tuple[torch.Tensor, str]]:
+    """One step of distilling a draft head from a frozen target: the head's loss against the
+    target's argmax and hidden states on a batch (sampled from stream unless given)."""
+    embed, lm_head = target.model.embed_tokens, target.lm_head
+
+    def step(batch: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, str]:
+        ids = sample_batch(stream, args.batch_size, args.seq_len, gen, args.device) if batch is None else batch
+        with autocast(args.device):
+            with torch.no_grad():
+                hidden = target.model(input_ids=ids).last_hidden_state
+                logits = lm_head(hidden)
+            loss, accs = draft_loss(head, embed, lm_head, ids, hidden, logits, args.unroll, HIDDEN_WEIGHT)
+        return loss, accuracy_text(accs)
+
+    return step
 
 
 def save_deepseek(model: DeepseekV3ForCausalLM, head: MTPHead, out_dir: str, dtype: torch.dtype) -> None:
@@ -287,18 +286,7 @@ def train_eagle(args: argparse.Namespace, train_texts: list[str], heldout_texts:
     head = EagleHead(target.config)
     head.apply(target._init_weights)
     head = head.to(args.device).train()
-    gen = torch.Generator().manual_seed(args.seed)
-    embed, lm_head = target.model.embed_tokens, target.lm_head
-
-    def step(batch: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, str]:
-        ids = sample_batch(stream, args.batch_size, args.seq_len, gen, args.device) if batch is None else batch
-        with autocast(args.device):
-            with torch.no_grad():
-                hidden = target.model(input_ids=ids).last_hidden_state
-                logits = lm_head(hidden)
-            loss, accs = draft_loss(head, embed, lm_head, ids, hidden, logits, args.unroll, HIDDEN_WEIGHT)
-        return loss, accuracy_text(accs)
-
+    step = distillation_step(target, head, stream, torch.Generator().manual_seed(args.seed), args)
     run_training("eagle", list(head.parameters()), step, args.lr, args.minutes * 60, args.max_steps)
     evaluate("eagle", lambda ids: step(ids)[1], heldout, args)
     save_eagle(head, target.config, out_dir, save_dtype(args.device))

@@ -194,7 +194,8 @@ class StaticInputs:
         if mode.logits_at_rows:  # a padded request's logits row: its own last token
             if bs:
                 self.logits_indices[:bs].copy_(fb.logits_indices)
-            self.logits_indices[bs : key.batch_size].copy_(torch.arange(bs, key.batch_size) * tpr + tpr - 1)
+            pad = torch.arange(bs, key.batch_size, device=self.logits_indices.device)
+            self.logits_indices[bs : key.batch_size].copy_(pad * tpr + tpr - 1)
         return replace(
             self.batch(key, mode),
             seq_lens_cpu=list(fb.seq_lens_cpu) + [key.pad_seq_len] * pad_rows,
