@@ -6,8 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Optional
+from unittest import mock
 
 import pytest
 import torch
@@ -399,32 +402,48 @@ def test_disable_cuda_graph_flag(tiny_llama_dir):
 
 
 # ---------------------------------------------------------------------- speculative sub-forwards
+def _weight_addresses(runner: ModelRunner) -> list[int]:
+    return [p.data_ptr() for p in runner.model.parameters()]
+
+
 class _WorkAsGraph:
     """A CUDA graph's stand-in on CPU: replay() runs the captured work on the static inputs and
-    leaves the outputs where a replayed graph would. Counts replays per mode."""
+    leaves the outputs where a replayed graph would. Like a graph, it reads the weights at
+    the addresses they had at capture: replacing a weight afterwards fails the replay.
+    Counts replays per mode."""
 
     replays: dict[ForwardMode, int] = {}
 
     def __init__(self, graphs: CudaGraphRunner, key: GraphKey):
         self.graphs, self.key = graphs, key
+        self.weights = _weight_addresses(graphs.model_runner)
 
     def replay(self) -> None:
+        assert _weight_addresses(self.graphs.model_runner) == self.weights, "a weight moved after capture"
         batch = self.graphs.inputs.batch(self.key, self.graphs.modes[self.key.mode])
         self.graphs.run_into_outputs(batch, self.key)
         _WorkAsGraph.replays[self.key.mode] = _WorkAsGraph.replays.get(self.key.mode, 0) + 1
 
 
-def _emulate_graphs(
-    runner: ModelRunner, modes: dict[ForwardMode, CapturedMode], sizes: list[int], dp_size: Optional[int] = None
-) -> None:
-    """What ModelRunner does on CUDA (a CudaGraphRunner over the modes), with _WorkAsGraph graphs."""
-    graphs = CudaGraphRunner(runner, modes, sizes, False, dp_size, hidden=(runner.model_config.hidden_size, runner.dtype))
+def _emulated_capture(graphs: CudaGraphRunner) -> None:
+    """CudaGraphRunner.capture on CPU: the same buffers, with _WorkAsGraph graphs."""
+    runner = graphs.model_runner
     width = runner.req_to_token_pool.req_to_token.shape[1]
     runner.attn_backend.init_cuda_graph_state(graphs.max_bs, graphs.max_bs * width, torch.device("cpu"))
     largest = max(graphs.keys, key=lambda k: k.num_tokens)
-    graphs.allocate_outputs(graphs._run(graphs.inputs.batch(largest, modes[largest.mode]), largest), torch.device("cpu"))
+    graphs.allocate_outputs(graphs._run(graphs.inputs.batch(largest, graphs.modes[largest.mode]), largest), torch.device("cpu"))
     graphs.graphs = {key: _WorkAsGraph(graphs, key) for key in graphs.keys}
-    runner.graph_runner = graphs
+
+
+@contextmanager
+def _cpu_graphs():
+    """ModelRunners built inside capture their speculative modes' graphs as on CUDA (at the
+    same point of their construction), as _WorkAsGraph graphs."""
+    with (
+        mock.patch.object(ModelRunner, "_graph_modes", lambda self: self.spec_sizes.captured_modes(self.is_draft)),
+        mock.patch.object(CudaGraphRunner, "capture", _emulated_capture),
+    ):
+        yield
 
 
 SPEC_PROMPTS = [[5, 17, 42, 99, 7, 3], [8, 9, 10], [100, 101, 102, 103, 104]]
@@ -442,14 +461,13 @@ def _spec_greedy(
     args: ServerArgs, graphs: bool, prompts: list[list[int]], max_new: list[int], tp_rank: int = 0, port_args=None
 ) -> tuple[list[list[int]], float]:
     import test_triton_kernels  # noqa: F401  (patches the interpreter for NumPy >= 2.4)
-    from sglang.srt.speculative.spec_plan import SpecSizes
     from sglang.test.inprocess_scheduler import greedy, start_scheduler
 
-    scheduler = start_scheduler(args, tp_rank, port_args)
     if graphs:
-        sizes, dp = SpecSizes.from_server_args(args), (args.dp_size if args.enable_dp_attention else None)
-        _emulate_graphs(scheduler.runner, sizes.captured_modes(is_draft=False), [1, 2, 4], dp)
-        _emulate_graphs(scheduler.spec_worker.draft_runner, sizes.captured_modes(is_draft=True), [1, 2, 4], dp)
+        with _cpu_graphs():
+            scheduler = start_scheduler(replace(args, cuda_graph_bs=[1, 2, 4]), tp_rank, port_args)
+    else:
+        scheduler = start_scheduler(args, tp_rank, port_args)
     return greedy(scheduler, prompts, max_new), scheduler.avg_spec_accept_length()
 
 

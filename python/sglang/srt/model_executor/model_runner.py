@@ -6,6 +6,7 @@ import logging
 from typing import Optional
 
 import torch
+from torch import nn
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import min_over_ranks
@@ -52,9 +53,11 @@ class ModelRunner:
         token_allocator: Optional[TokenToKVPoolAllocator] = None,
         gathered_buffer: Optional[torch.Tensor] = None,
         is_draft: bool = False,
+        embed_and_head: Optional[tuple[nn.Parameter, nn.Parameter]] = None,
     ):
         """A draft runner (is_draft) passes the target's req_to_token_pool and allocator (shared
-        slots) and, under DP attention, the target's gathered buffer (one buffer per rank)."""
+        slots), under DP attention the target's gathered buffer (one buffer per rank), and the
+        target's embedding and LM head, which its model uses instead of its own."""
         self.model_config = model_config
         self.server_args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -68,6 +71,8 @@ class ModelRunner:
         self.dtype = model_config.dtype
         self.attn_backend: AttentionBackend = create_attention_backend(server_args.attention_backend)
         self.model = get_model(model_config, server_args.load_format, self.device, seed=server_args.random_seed)
+        if embed_and_head is not None:  # before capture: graphs bake in weight addresses
+            self.model.set_embed_and_head(*embed_and_head)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # One KV layer per attention module (a NextN draft has one; its layer id is 0).
         self.num_kv_layers = sum(isinstance(m, RadixAttention) for m in self.model.modules())

@@ -93,8 +93,8 @@ class EAGLEWorker:
             token_allocator=target_runner.token_allocator,
             gathered_buffer=target_runner.gathered_buffer,
             is_draft=True,
+            embed_and_head=target_runner.model.get_embed_and_head(),
         )
-        self.draft_runner.model.set_embed_and_head(*target_runner.model.get_embed_and_head())
         # Positions past the context are never emitted (the request stops first); clamp them.
         self.max_position = target_runner.model_config.context_len - 1
         self.states: dict[str, DraftState] = {}
