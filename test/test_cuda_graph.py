@@ -135,6 +135,29 @@ def test_static_inputs_pad_rows_are_valid():
     assert fb.input_ids.data_ptr() == inputs.input_ids.data_ptr()
 
 
+def _lengths_agree(fb: ForwardBatch) -> bool:
+    """The device lengths a graph reads are the host lengths the batch was shaped with."""
+    return (
+        fb.seq_lens.tolist() == list(fb.seq_lens_cpu)
+        and fb.extend_seq_lens.tolist() == list(fb.extend_seq_lens_cpu)
+        and sum(fb.extend_seq_lens_cpu) == fb.num_tokens
+    )
+
+
+def test_padding_batch_resets_the_lengths_of_other_keys():
+    """Capture order mixes token counts (verify and draft extend: 4 per request; draft steps:
+    1, with trees of 1 and 2 columns): each captured batch has its own key's lengths."""
+    modes = {ForwardMode.TARGET_VERIFY: CapturedMode(4, (4,)), ForwardMode.DRAFT_DECODE: CapturedMode(1, (1, 2))}
+    inputs = StaticInputs(max_bs=4, max_tokens_per_req=4, device="cpu", max_tree_cols=4)
+    keys = [GraphKey(ForwardMode.TARGET_VERIFY, 4, 4, 4), GraphKey(ForwardMode.DRAFT_DECODE, 4, 1, 2),
+            GraphKey(ForwardMode.DRAFT_DECODE, 2, 1, 1), GraphKey(ForwardMode.TARGET_VERIFY, 2, 4, 4)]
+    for key in keys:
+        fb = inputs.padding_batch(key, modes[key.mode])
+        assert _lengths_agree(fb), key
+        assert fb.seq_lens_cpu == [key.pad_seq_len] * key.batch_size
+        assert fb.custom_mask.shape == (key.num_tokens, key.tree_cols) and bool(fb.custom_mask.all())
+
+
 # ---------------------------------------------------------------------- graph-vs-eager choice
 def _runner_stub(table: ReqToTokenPool) -> SimpleNamespace:
     return SimpleNamespace(device="cpu", req_to_token_pool=table)
@@ -421,18 +444,24 @@ class _WorkAsGraph:
     def replay(self) -> None:
         assert _weight_addresses(self.graphs.model_runner) == self.weights, "a weight moved after capture"
         batch = self.graphs.inputs.batch(self.key, self.graphs.modes[self.key.mode])
+        assert batch.extend_seq_lens.tolist() == [self.key.tokens_per_req] * self.key.batch_size, self.key
         self.graphs.run_into_outputs(batch, self.key)
         _WorkAsGraph.replays[self.key.mode] = _WorkAsGraph.replays.get(self.key.mode, 0) + 1
 
 
 def _emulated_capture(graphs: CudaGraphRunner) -> None:
-    """CudaGraphRunner.capture on CPU: the same buffers, with _WorkAsGraph graphs."""
+    """CudaGraphRunner.capture on CPU: the same buffers and warm-up runs (largest key first),
+    with _WorkAsGraph graphs."""
     runner = graphs.model_runner
     width = runner.req_to_token_pool.req_to_token.shape[1]
     runner.attn_backend.init_cuda_graph_state(graphs.max_bs, graphs.max_bs * width, torch.device("cpu"))
-    largest = max(graphs.keys, key=lambda k: k.num_tokens)
-    graphs.allocate_outputs(graphs._run(graphs.inputs.batch(largest, graphs.modes[largest.mode]), largest), torch.device("cpu"))
-    graphs.graphs = {key: _WorkAsGraph(graphs, key) for key in graphs.keys}
+    for key in sorted(graphs.keys, key=lambda k: (k.num_tokens, k.tree_cols, k.batch_size), reverse=True):
+        batch = graphs.inputs.padding_batch(key, graphs.modes[key.mode])
+        assert _lengths_agree(batch), key
+        warm = graphs._run(batch, key)
+        if graphs.out_logits is None:
+            graphs.allocate_outputs(warm, torch.device("cpu"))
+        graphs.graphs[key] = _WorkAsGraph(graphs, key)
 
 
 @contextmanager

@@ -170,37 +170,49 @@ class StaticInputs:
         padded batch as a ForwardBatch over the buffers (host lengths padded too)."""
         bs, n, tpr = fb.batch_size, fb.num_tokens, key.tokens_per_req
         pad_rows = key.batch_size - bs
-        self.input_ids[:n].copy_(fb.input_ids)
-        self.input_ids[n : key.num_tokens].fill_(PAD_TOKEN_ID)
-        self.positions[:n].copy_(fb.positions)
-        self.positions[n : key.num_tokens].zero_()
-        self.out_cache_loc[:n].copy_(fb.out_cache_loc)
-        self.out_cache_loc[n : key.num_tokens].fill_(PAD_KV_SLOT)
-        self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
-        self.req_pool_indices[bs : key.batch_size].fill_(PAD_REQ_ROW)
-        self.seq_lens[:bs].copy_(fb.seq_lens)
-        self.seq_lens[bs : key.batch_size].fill_(key.pad_seq_len)
-        self.extend_seq_lens[:bs].copy_(fb.extend_seq_lens)
-        self.extend_seq_lens[bs : key.batch_size].fill_(tpr)
         # An IDLE batch (DP attention) has no rows to copy: everything is padding.
-        if key.tree_cols:  # padded rows see their whole (padding) tree
-            if n:
+        if bs:
+            self.input_ids[:n].copy_(fb.input_ids)
+            self.positions[:n].copy_(fb.positions)
+            self.out_cache_loc[:n].copy_(fb.out_cache_loc)
+            self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
+            self.seq_lens[:bs].copy_(fb.seq_lens)
+            self.extend_seq_lens[:bs].copy_(fb.extend_seq_lens)
+            if key.tree_cols:
                 self.custom_mask[: n * key.tree_cols].copy_(fb.custom_mask.flatten())
-            self.custom_mask[n * key.tree_cols : key.num_tokens * key.tree_cols].fill_(True)
-        if mode.draft_input:
-            if n:
+            if mode.draft_input:
                 self.hidden_states[:n].copy_(fb.spec_info.hidden_states)
-            self.hidden_states[n : key.num_tokens].zero_()
-        if mode.logits_at_rows:  # a padded request's logits row: its own last token
-            if bs:
+            if mode.logits_at_rows:
                 self.logits_indices[:bs].copy_(fb.logits_indices)
-            pad = torch.arange(bs, key.batch_size, device=self.logits_indices.device)
-            self.logits_indices[bs : key.batch_size].copy_(pad * tpr + tpr - 1)
+        self._pad(key, mode, bs, n)
         return replace(
             self.batch(key, mode),
             seq_lens_cpu=list(fb.seq_lens_cpu) + [key.pad_seq_len] * pad_rows,
             extend_seq_lens_cpu=list(fb.extend_seq_lens_cpu) + [tpr] * pad_rows,
         )
+
+    def padding_batch(self, key: GraphKey, mode: CapturedMode) -> ForwardBatch:
+        """A batch of key's shape holding padding rows only (what a graph is captured with).
+        The buffers may hold another key's rows (lengths of another token count): all are reset."""
+        self._pad(key, mode, 0, 0)
+        return self.batch(key, mode)
+
+    def _pad(self, key: GraphKey, mode: CapturedMode, rows: int, tokens: int) -> None:
+        """Fill requests rows..key.batch_size (tokens tokens..key.num_tokens) with padding."""
+        bs, n, tpr = key.batch_size, key.num_tokens, key.tokens_per_req
+        self.input_ids[tokens:n].fill_(PAD_TOKEN_ID)
+        self.positions[tokens:n].zero_()
+        self.out_cache_loc[tokens:n].fill_(PAD_KV_SLOT)
+        self.req_pool_indices[rows:bs].fill_(PAD_REQ_ROW)
+        self.seq_lens[rows:bs].fill_(key.pad_seq_len)
+        self.extend_seq_lens[rows:bs].fill_(tpr)
+        if key.tree_cols:  # padded rows see their whole (padding) tree
+            self.custom_mask[tokens * key.tree_cols : n * key.tree_cols].fill_(True)
+        if mode.draft_input:
+            self.hidden_states[tokens:n].zero_()
+        if mode.logits_at_rows:  # a padded request's logits row: its own last token
+            pad = torch.arange(rows, bs, device=self.logits_indices.device)
+            self.logits_indices[rows:bs].copy_(pad * tpr + tpr - 1)
 
     def batch(self, key: GraphKey, mode: CapturedMode) -> ForwardBatch:
         """The buffers' first rows as the batch a graph of `key` was captured with."""
@@ -377,7 +389,7 @@ class CudaGraphRunner:
             self.out_hidden = torch.empty((self.max_bs * self.max_tokens_per_req, hidden_size), dtype=dtype, device=device)
 
     def _capture_one(self, key: GraphKey, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
-        fb = self.inputs.batch(key, self.modes[key.mode])  # padding-only content: a valid batch by construction
+        fb = self.inputs.padding_batch(key, self.modes[key.mode])
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile kernels and create library workspaces outside the capture
