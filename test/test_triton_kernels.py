@@ -55,6 +55,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from sglang.srt.layers.moe.fused_moe import moe_forward_native  # noqa: E402
 from sglang.srt.layers.moe.fused_moe_triton import fused_moe  # noqa: E402
+from sglang.srt.layers.moe.topk import RoutingConfig, select_experts  # noqa: E402
+from sglang.srt.layers.moe.topk_triton import select_experts_triton  # noqa: E402
 from sglang.test.attention_batches import AttnShape, make_attention_batch  # noqa: E402
 
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -150,3 +152,32 @@ def test_fused_moe_matches_native(shape, dtype):
     got = fused_moe(x, w13, w2, weights, ids)
     assert got.shape == ref.shape and got.dtype == ref.dtype
     torch.testing.assert_close(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# DeepSeek-V2-Lite (softmax greedy), V2 (group-limited, 20-expert groups), V3 (sigmoid noaux_tc
+# with bias, renormalized and scaled), single-expert groups, and tiny test configs.
+ROUTINGS = [
+    RoutingConfig(6, 64),
+    RoutingConfig(6, 160, topk_method="group_limited_greedy", num_expert_group=8, topk_group=3, routed_scaling_factor=16.0),
+    RoutingConfig(8, 256, "sigmoid", "noaux_tc", 8, 4, renormalize=True, routed_scaling_factor=2.5),
+    RoutingConfig(3, 20, "sigmoid", "noaux_tc", 4, 2, renormalize=True),
+    RoutingConfig(2, 8, "sigmoid", "noaux_tc", 8, 3),
+    RoutingConfig(2, 8, renormalize=True),
+]
+
+
+@kernel_test
+@pytest.mark.parametrize("num_tokens", [0, 1, 37])
+@pytest.mark.parametrize("cfg", ROUTINGS, ids=lambda c: f"{c.topk_method}-{c.num_experts}x{c.top_k}")
+def test_triton_routing_matches_select_experts(cfg, num_tokens):
+    gen = torch.Generator().manual_seed(cfg.num_experts + num_tokens)
+    logits = torch.randn(num_tokens, cfg.num_experts, generator=gen).to(DEVICE, DTYPES[0])
+    bias = (torch.randn(cfg.num_experts, generator=gen) * 0.1).to(DEVICE) if cfg.topk_method == "noaux_tc" else None
+    ref_w, ref_ids = select_experts(logits, cfg, bias)
+    got_w, got_ids = select_experts_triton(logits, cfg, bias)
+    assert got_ids.shape == ref_ids.shape == (num_tokens, cfg.top_k) and got_ids.dtype == ref_ids.dtype
+    # The same experts per row, in any order, with the same weights.
+    ref_ids, ref_order = ref_ids.sort(dim=-1)
+    got_ids, got_order = got_ids.sort(dim=-1)
+    assert torch.equal(got_ids, ref_ids)
+    torch.testing.assert_close(got_w.gather(1, got_order), ref_w.gather(1, ref_order), atol=1e-5, rtol=1e-5)

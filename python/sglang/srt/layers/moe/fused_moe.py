@@ -90,8 +90,9 @@ class FusedMoE(nn.Module):
         self, hidden: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Partial (this rank's) routed-expert output [T, H]; the caller all-reduces."""
-        topk_weights, topk_ids = select_experts(router_logits, self.routing, correction_bias)
-        experts = moe_forward_native
-        if hidden.is_cuda:  # triton ships with CUDA builds of torch; the kernel never syncs with the host
+        route, experts = select_experts, moe_forward_native
+        if hidden.is_cuda:  # triton ships with CUDA builds of torch; its kernels never sync with the host
             from sglang.srt.layers.moe.fused_moe_triton import fused_moe as experts
+            from sglang.srt.layers.moe.topk_triton import select_experts_triton as route
+        topk_weights, topk_ids = route(router_logits, self.routing, correction_bias)
         return experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)

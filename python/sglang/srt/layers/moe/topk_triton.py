@@ -1,0 +1,115 @@
+"""Expert routing in one Triton kernel per batch: `select_experts` on CUDA.
+
+One program per token row holds the row's expert scores in registers and does what the
+plain-PyTorch `select_experts` does in a dozen kernels: scoring (softmax or sigmoid), group
+ranking and masking, top-k by repeated arg-max, renormalization and scaling. Experts of a
+group are contiguous (group g owns experts [g * group_size, (g + 1) * group_size)). No host
+reads: the grid and every loop bound come from shapes and the routing config.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang.srt.layers.moe.topk import RoutingConfig
+
+_METHOD_CODES = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
+NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def _top_group_mask(choice, offs, GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                    BLOCK_G: tl.constexpr, TOP2: tl.constexpr):
+    """Experts of the TOPK_GROUP groups ranked best by their best (TOP2: two best) choices."""
+    goffs = tl.arange(0, BLOCK_G)
+    group_scores = tl.full([BLOCK_G], NEG_INF, tl.float32)
+    for g in tl.static_range(N_GROUP):
+        vals = tl.where(offs // GROUP_SIZE == g, choice, NEG_INF)
+        best = tl.max(vals, axis=0)
+        score = best
+        if TOP2:
+            second = tl.max(tl.where(offs == tl.argmax(vals, axis=0), NEG_INF, vals), axis=0)
+            score = best + second
+        group_scores = tl.where(goffs == g, score, group_scores)
+    keep = offs < 0
+    for _ in tl.static_range(TOPK_GROUP):
+        g = tl.argmax(group_scores, axis=0)
+        keep = keep | (offs // GROUP_SIZE == g)
+        group_scores = tl.where(goffs == g, NEG_INF, group_scores)
+    return keep
+
+
+@triton.jit
+def _route_kernel(
+    logits, bias, out_weights, out_ids, stride_row, scale,
+    E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, METHOD: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < E
+    x = tl.load(logits + row * stride_row + offs, mask=valid, other=NEG_INF).to(tl.float32)
+    if SIGMOID:
+        scores = tl.sigmoid(x)
+    else:
+        p = tl.exp(x - tl.max(x, axis=0))
+        scores = p / tl.sum(p, axis=0)
+    scores = tl.where(valid, scores, 0.0)
+    choice = scores
+    if METHOD == 2:  # noaux_tc: choose by bias-corrected score, weigh by the plain score
+        if HAS_BIAS:
+            choice = scores + tl.load(bias + offs, mask=valid, other=0.0).to(tl.float32)
+        choice = tl.where(valid, choice, NEG_INF)
+        keep = _top_group_mask(choice, offs, GROUP_SIZE, N_GROUP, TOPK_GROUP, BLOCK_G, GROUP_SIZE >= 2)
+        choice = tl.where(keep, choice, NEG_INF)
+    elif METHOD == 1:  # group_limited_greedy: experts outside the best groups score 0
+        keep = _top_group_mask(tl.where(valid, scores, NEG_INF), offs, GROUP_SIZE, N_GROUP, TOPK_GROUP, BLOCK_G, False)
+        choice = tl.where(keep, scores, 0.0)
+    choice = tl.where(valid, choice, NEG_INF)
+
+    koffs = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        best = tl.argmax(choice, axis=0)
+        picked = offs == best
+        ids = tl.where(koffs == k, best.to(tl.int64), ids)
+        weights = tl.where(koffs == k, tl.sum(tl.where(picked, scores, 0.0), axis=0), weights)
+        choice = tl.where(picked, NEG_INF, choice)
+    if RENORMALIZE:
+        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    out = row * TOP_K + koffs
+    tl.store(out_ids + out, ids, mask=koffs < TOP_K)
+    tl.store(out_weights + out, weights * scale, mask=koffs < TOP_K)
+
+
+def select_experts_triton(
+    router_logits: torch.Tensor, cfg: RoutingConfig, correction_bias: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `select_experts`: (weights [T, k] float32, expert ids [T, k] int64).
+    The k experts of a row may come in another order than torch.topk's."""
+    num_tokens = router_logits.shape[0]
+    device = router_logits.device
+    weights = torch.empty((num_tokens, cfg.top_k), dtype=torch.float32, device=device)
+    ids = torch.empty((num_tokens, cfg.top_k), dtype=torch.int64, device=device)
+    if num_tokens == 0:
+        return weights, ids
+    logits = router_logits.contiguous()
+    n_group = cfg.num_expert_group or 1
+    _route_kernel[(num_tokens,)](
+        logits, correction_bias if correction_bias is not None else logits, weights, ids,
+        logits.stride(0), cfg.routed_scaling_factor,
+        E=cfg.num_experts, BLOCK_E=triton.next_power_of_2(cfg.num_experts),
+        TOP_K=cfg.top_k, BLOCK_K=triton.next_power_of_2(cfg.top_k),
+        SIGMOID=cfg.scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None,
+        METHOD=_METHOD_CODES[cfg.topk_method],
+        GROUP_SIZE=cfg.num_experts // n_group, N_GROUP=n_group, TOPK_GROUP=cfg.topk_group or 1,
+        BLOCK_G=triton.next_power_of_2(n_group), RENORMALIZE=cfg.renormalize,
+    )
+    return weights, ids
