@@ -54,7 +54,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from sglang.srt.layers.moe.fused_moe import moe_forward_native  # noqa: E402
-from sglang.srt.layers.moe.fused_moe_triton import fused_moe  # noqa: E402
+from sglang.srt.layers.moe.fused_moe_triton import _align_by_expert_torch, align_by_expert, fused_moe  # noqa: E402
 from sglang.srt.layers.moe.topk import RoutingConfig, select_experts  # noqa: E402
 from sglang.srt.layers.moe.topk_triton import select_experts_triton  # noqa: E402
 from sglang.test.attention_batches import AttnShape, make_attention_batch  # noqa: E402
@@ -181,3 +181,15 @@ def test_triton_routing_matches_select_experts(cfg, num_tokens):
     got_ids, got_order = got_ids.sort(dim=-1)
     assert torch.equal(got_ids, ref_ids)
     torch.testing.assert_close(got_w.gather(1, got_order), ref_w.gather(1, ref_order), atol=1e-5, rtol=1e-5)
+
+
+@kernel_test
+@pytest.mark.parametrize("shape", [(1, 8, 2, 16), (1, 64, 6, 16), (37, 8, 3, 16), (200, 64, 6, 64), (5, 256, 8, 16)])
+def test_one_program_alignment_matches_torch(shape):
+    """The same sorted pair order and block experts as the plain-PyTorch alignment."""
+    num_tokens, num_experts, top_k, block_m = shape
+    gen = torch.Generator().manual_seed(num_tokens + num_experts)
+    ids = torch.randn(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1)[1].to(DEVICE)
+    pairs, blocks = align_by_expert(ids, num_experts, block_m)
+    ref_pairs, ref_blocks = _align_by_expert_torch(ids.flatten(), num_experts, block_m, blocks.shape[0])
+    assert torch.equal(pairs, ref_pairs) and torch.equal(blocks, ref_blocks)

@@ -14,13 +14,39 @@ import triton
 import triton.language as tl
 
 
+# One program aligns up to this many (token, slot) pairs in registers (every decode batch);
+# larger batches (prefill) take the plain-PyTorch path, which has no host syncs either.
+MAX_PAIRS_ONE_PROGRAM = 4096
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort (token, slot) pairs by expert and pad each expert's run to block_m rows.
 
     Returns sorted_pairs [max_blocks * block_m] (flat pair index, or the pair count as
     padding) and block_expert [max_blocks] (expert of each block; num_experts when unused).
     """
-    flat = topk_ids.flatten()
+    num_pairs = topk_ids.numel()
+    # Blocks used <= ceil(pairs / block_m) + (number of non-empty experts).
+    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    if num_pairs > MAX_PAIRS_ONE_PROGRAM:
+        return _align_by_expert_torch(topk_ids.flatten(), num_experts, block_m, max_blocks)
+    device = topk_ids.device
+    block_p = triton.next_power_of_2(num_pairs)
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int64, device=device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    scratch = torch.empty(block_p, dtype=torch.int64, device=device)
+    _align_kernel[(1,)](
+        topk_ids.flatten(), scratch, sorted_pairs, block_expert, num_pairs, max_blocks,
+        NUM_EXPERTS=num_experts, BLOCK_P=block_p, BLOCK_M=block_m,
+        BLOCK_PAD=triton.next_power_of_2(max_blocks * block_m), BLOCK_B=triton.next_power_of_2(max_blocks),
+        num_warps=8,
+    )
+    return sorted_pairs, block_expert
+
+
+def _align_by_expert_torch(
+    flat: torch.Tensor, num_experts: int, block_m: int, max_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     num_pairs = flat.numel()
     device = flat.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
@@ -30,13 +56,50 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     sorted_experts = flat[order]
     rank = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_experts]
     dest = (padded_end - padded)[sorted_experts] + rank
-    # Blocks used <= ceil(pairs / block_m) + (number of non-empty experts).
-    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
     sorted_pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int64, device=device)
     sorted_pairs[dest] = order
     block_starts = torch.arange(max_blocks, device=device) * block_m
     block_expert = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
     return sorted_pairs, block_expert
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _align_kernel(
+    topk_ids, scratch, sorted_pairs, block_expert, num_pairs, max_blocks,
+    NUM_EXPERTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """align_by_expert in one program: sort the pairs by (expert, pair), find each expert's
+    run in the sorted order, and scatter every pair to its run's padded start + its rank."""
+    p = tl.arange(0, BLOCK_P)
+    valid = p < num_pairs
+    expert = tl.load(topk_ids + p, mask=valid, other=NUM_EXPERTS).to(tl.int64)
+    key = tl.sort(expert * BLOCK_P + p)  # unique keys; lanes past num_pairs sort last
+    tl.store(scratch + p, key)
+    pad = tl.arange(0, BLOCK_PAD)
+    tl.store(sorted_pairs + pad, tl.zeros([BLOCK_PAD], tl.int64) + num_pairs, mask=pad < max_blocks * BLOCK_M)
+    tl.debug_barrier()  # scratch and the padding are visible to every thread from here
+    run_expert = key // BLOCK_P
+    prev_expert = tl.load(scratch + p - 1, mask=p > 0, other=0) // BLOCK_P
+    next_expert = tl.load(scratch + p + 1, mask=p + 1 < BLOCK_P, other=0) // BLOCK_P
+    starts = (p == 0) | (prev_expert != run_expert)
+    ends = (p == num_pairs - 1) | (next_expert != run_expert)
+    rank = p - tl.associative_scan(tl.where(starts, p, 0), 0, _maximum)
+    run_padded = tl.where(ends & valid, (rank + BLOCK_M) // BLOCK_M * BLOCK_M, 0)
+    padded_start = tl.cumsum(run_padded, 0) - run_padded  # padded sizes of the runs before
+    tl.store(sorted_pairs + padded_start + rank, key % BLOCK_P, mask=valid)
+    tl.debug_barrier()
+    # Every used block starts with a real pair (padding only ends a run): its expert names it.
+    b = tl.arange(0, BLOCK_B)
+    first = tl.load(sorted_pairs + b * BLOCK_M, mask=b < max_blocks, other=num_pairs)
+    used = first < num_pairs
+    block_exp = tl.load(topk_ids + first, mask=used, other=NUM_EXPERTS)
+    tl.store(block_expert + b, tl.where(used, block_exp, NUM_EXPERTS).to(tl.int32), mask=b < max_blocks)
 
 
 @triton.jit
