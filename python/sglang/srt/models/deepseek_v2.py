@@ -95,11 +95,14 @@ class DeepseekV2MLP(nn.Module):
 
 
 class MoEGate(nn.Module):
-    """Router logits in float32; V3 adds a per-expert bias used only for expert choice."""
+    """Router logits in float32; V3 adds a per-expert bias used only for expert choice.
+    The weight is kept in float32 (cast once at load, not at every forward)."""
 
     def __init__(self, config: PretrainedConfig, with_correction_bias: bool):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(config.n_routed_experts, config.hidden_size, dtype=torch.float32), requires_grad=False
+        )
         if with_correction_bias:
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(config.n_routed_experts, dtype=torch.float32), requires_grad=False
@@ -108,7 +111,7 @@ class MoEGate(nn.Module):
             self.register_parameter("e_score_correction_bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x.float(), self.weight.float())
+        return torch.nn.functional.linear(x.float(), self.weight)
 
 
 class DeepseekV2MoE(nn.Module):
