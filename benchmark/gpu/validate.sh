@@ -35,7 +35,7 @@ case "${1:-}" in
     ;;
   graphs)  # one GPU: CUDA graphs for plain decode and for every speculative sub-forward
     nextn="--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
-    step graph_tests 300 python3 -m pytest -q -x test/test_cuda_graph.py
+    step graph_tests 300 python3 -m pytest -q -x test/test_cuda_graph.py test/test_triton_kernels.py test/test_fused_ops.py
     step spec_graphs_equal 400 python3 benchmark/gpu/validate_parallel_spec.py --gpus 1 --out "$out"
     step dsv2lite_plain 200 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
       --batch-sizes 1 32 -- --cuda-graph-max-bs 32
