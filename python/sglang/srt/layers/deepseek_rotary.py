@@ -85,8 +85,12 @@ class DeepseekScalingRotaryEmbedding(nn.Module):
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def _freqs(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T, rotary_dim // 2] float32 angles (integer positions promote to float32 in the product)."""
+        return positions[:, None] * self.inv_freq.to(positions.device, torch.float32)[None, :]
+
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        freqs = self._freqs(positions)
         return freqs.cos() * self.mscale, freqs.sin() * self.mscale
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -106,6 +110,22 @@ class DeepseekScalingRotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query/key: [T, heads * head_size] or [T, heads, head_size]; returns the same shapes."""
+        return (self.forward_triton if query.is_cuda else self.forward_native)(positions, query, key)
+
+    def forward_triton(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of the angles in torch (accurate range reduction), then one kernel rotates q and k."""
+        from sglang.srt.layers.fused_ops import rotary_embedding  # triton ships with CUDA builds of torch
+
+        freqs = self._freqs(positions.flatten())
+        return rotary_embedding(
+            None, query, key, freqs.cos(), freqs.sin(), self.head_size, self.rotary_dim, self.is_neox_style, self.mscale
+        )
+
+    def forward_native(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._cos_sin(positions.flatten())
         cos, sin = cos[:, None, :], sin[:, None, :]
         q = self._rotate(as_heads(query, self.head_size), cos, sin)

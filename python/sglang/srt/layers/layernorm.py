@@ -18,6 +18,20 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Without residual: norm(x). With residual: s = x + residual; returns (norm(s), s)."""
+        return (self.forward_triton if x.is_cuda else self.forward_native)(x, residual)
+
+    def forward_triton(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        from sglang.srt.layers import fused_ops  # triton ships with CUDA builds of torch
+
+        if residual is None:
+            return fused_ops.rms_norm(x, self.weight, self.variance_epsilon)
+        return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+
+    def forward_native(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         if residual is not None:
             x = x + residual
             residual = x

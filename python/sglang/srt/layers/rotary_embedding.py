@@ -46,6 +46,20 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k: [T, H*D] or [T, H, D]; returns rotated copies with the input shapes."""
+        return (self.forward_triton if q.is_cuda else self.forward_native)(positions, q, k)
+
+    def forward_triton(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel; rotates in float32 where forward_native rounds cos/sin and products to q's dtype."""
+        from sglang.srt.layers.fused_ops import rotary_embedding  # triton ships with CUDA builds of torch
+
+        cos, sin = self.cos_sin_cache.chunk(2, dim=-1)
+        return rotary_embedding(positions, q, k, cos, sin, self.head_size, self.rotary_dim, self.is_neox_style)
+
+    def forward_native(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 

@@ -1,0 +1,200 @@
+"""Triton kernels for the element-wise layers: RMSNorm (optionally after a residual add),
+SiLU-and-mul and rotary embedding, each one launch where plain PyTorch takes 3 to 10.
+
+Every wrapper returns new contiguous tensors, launches nothing for zero rows and never
+reads device data on the host, so all of them can be captured in a CUDA graph. Inputs may
+be row-strided views (column slices of a fused projection) but are copied when their last
+dim is not unit-stride. Arithmetic is float32. RMSNorm and SiLU-and-mul round to the input
+dtype wherever the plain-PyTorch layers round; RoPE rounds once, at the end (as DeepSeek's
+plain path does, while RotaryEmbedding's rounds cos/sin and each product: a few bf16 ulps).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang.srt.layers.rotary_embedding import as_heads
+
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [..., width] as [rows, width] with unit column stride (a view when the layout allows)."""
+    return _unit_last_stride(x.reshape(-1, width))
+
+
+def _num_warps(block: int) -> int:
+    return 4 if block < 2048 else 8 if block < 8192 else 16
+
+
+# ---------------------------------------------------------------------- RMSNorm
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_stride, res_stride, n, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One program per row; the whole row (n <= BLOCK) stays in registers.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    s = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # s = x + residual, rounded to the residual output's dtype as torch's add does
+        r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
+        s = (s.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * n + cols, s, mask=mask)
+    h = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
+    normed = (h * rstd).to(s.dtype).to(tl.float32)  # RMSNorm rounds to the input dtype before the weight
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rms_norm(
+    x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    n = x.shape[-1]
+    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, sum_dtype), device=x.device)
+    new_residual = None if residual is None else torch.empty(x.shape, dtype=sum_dtype, device=x.device)
+    x2 = _rows(x, n)
+    if x2.shape[0]:
+        r2 = x2 if residual is None else _rows(residual, n)
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, out, out if new_residual is None else new_residual,
+            x2.stride(0), r2.stride(0), n, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block),
+        )
+    return out, new_residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rmsnorm(x) over the last dim, as `RMSNorm.forward_native(x)`."""
+    return _rms_norm(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rmsnorm(x + residual), x + residual), as `RMSNorm.forward_native(x, residual)`."""
+    return _rms_norm(x, residual, weight, eps)
+
+
+# ---------------------------------------------------------------------- SiLU and mul
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, d, BLOCK: tl.constexpr):
+    # Program (row, j) writes columns [j * BLOCK, (j + 1) * BLOCK) of silu(gate) * up.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # F.silu rounds before the product
+    tl.store(out_ptr + row * d + cols, (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] for x of last dim 2d, as `SiluAndMul.forward_native`."""
+    d = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    x2 = _rows(x, 2 * d)
+    if x2.shape[0] and d:
+        block = min(triton.next_power_of_2(d), 1024)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, x2.stride(0), d, BLOCK=block)
+    return out
+
+
+# ---------------------------------------------------------------------- rotary embedding
+
+
+@triton.jit
+def _rotate_head(
+    src, dst, cos, sin,
+    HEAD: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+):
+    # Rotates the pairs (x[i], x[i + ROT/2]) (neox) or (x[2i], x[2i+1]) (interleaved) of one
+    # head by the angle of cos[i], sin[i]; channels ROT..HEAD are copied unchanged.
+    half = tl.arange(0, BLOCK_HALF)
+    mask = half < ROT // 2
+    i1 = half if NEOX else 2 * half
+    i2 = i1 + (ROT // 2 if NEOX else 1)
+    x1 = tl.load(src + i1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + i2, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + i1, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + i2, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+    if HEAD > ROT:
+        rest = ROT + tl.arange(0, BLOCK_REST)
+        rest_mask = rest < HEAD
+        tl.store(dst + rest, tl.load(src + rest, mask=rest_mask), mask=rest_mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    pos_ptr, cos_ptr, sin_ptr, cs_stride, scale,
+    q_ptr, k_ptr, q_out, k_out,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, num_q_heads, num_k_heads,
+    HAS_POSITIONS: tl.constexpr, HEAD: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+):
+    # Program (t, h) rotates q head h of token t, or k head h - num_q_heads when h >= num_q_heads.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = tl.load(pos_ptr + t).to(tl.int64) if HAS_POSITIONS else t
+    half = tl.arange(0, BLOCK_HALF)
+    mask = half < ROT // 2
+    cos = tl.load(cos_ptr + row * cs_stride + half, mask=mask, other=0.0).to(tl.float32) * scale
+    sin = tl.load(sin_ptr + row * cs_stride + half, mask=mask, other=0.0).to(tl.float32) * scale
+    if h < num_q_heads:
+        src = q_ptr + t * q_stride_t + h * q_stride_h
+        _rotate_head(src, q_out + (t * num_q_heads + h) * HEAD, cos, sin, HEAD, ROT, NEOX, BLOCK_HALF, BLOCK_REST)
+    else:
+        h = h - num_q_heads
+        src = k_ptr + t * k_stride_t + h * k_stride_h
+        _rotate_head(src, k_out + (t * num_k_heads + h) * HEAD, cos, sin, HEAD, ROT, NEOX, BLOCK_HALF, BLOCK_REST)
+
+
+def rotary_embedding(
+    positions: Optional[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_size: int,
+    rotary_dim: int,
+    is_neox_style: bool,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated copies of q, k ([T, H*D] or [T, H, D], head counts may differ), same shapes.
+
+    cos, sin: [P, rotary_dim // 2] with one row stride (halves of a cos|sin table); token t
+    uses row positions[t], or row t when positions is None, both multiplied by `scale`.
+    The first rotary_dim channels of each head rotate, in float32; the rest pass through.
+    """
+    assert cos.stride() == sin.stride() and cos.stride(-1) == 1, "cos and sin must share one row layout"
+    q3, k3 = _unit_last_stride(as_heads(q, head_size)), _unit_last_stride(as_heads(k, head_size))
+    q_out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k3.shape, dtype=k.dtype, device=k.device)
+    num_tokens, num_q_heads, num_k_heads = q3.shape[0], q3.shape[1], k3.shape[1]
+    if num_tokens:
+        _rotary_kernel[(num_tokens, num_q_heads + num_k_heads)](
+            None if positions is None else positions.contiguous(), cos, sin, cos.stride(0), scale,
+            q3, k3, q_out, k_out,
+            q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), num_q_heads, num_k_heads,
+            HAS_POSITIONS=positions is not None, HEAD=head_size, ROT=rotary_dim, NEOX=is_neox_style,
+            BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
+            BLOCK_REST=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
+            num_warps=1,
+        )
+    return q_out.view(q.shape), k_out.view(k.shape)
