@@ -9,14 +9,11 @@ in test_triton_kernels). Without triton the module is skipped.
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 from unittest import mock
 
 import pytest
 import torch
-from test_triton_kernels import NEEDS_SUBPROCESS, ON_CUDA, kernel_test  # patches the interpreter for NumPy >= 2.4
+from test_triton_kernels import NEEDS_SUBPROCESS, ON_CUDA, kernel_test, rerun_under_interpreter  # patches the interpreter for NumPy >= 2.4
 
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.deepseek_rotary import DeepseekScalingRotaryEmbedding
@@ -31,12 +28,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 @pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="already compiled or interpreted in this process")
 def test_fused_ops_under_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
+    rerun_under_interpreter(__file__, timeout=600)
 
 
 def _fused(layer: torch.nn.Module, *args):

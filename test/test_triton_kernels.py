@@ -23,15 +23,19 @@ NEEDS_SUBPROCESS = not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1"
 kernel_test = pytest.mark.skipif(NEEDS_SUBPROCESS, reason="runs in the TRITON_INTERPRET=1 subprocess")
 
 
-@pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="already compiled or interpreted in this process")
-def test_kernels_under_triton_interpreter():
+def rerun_under_interpreter(path: str, *pytest_args: str, timeout: int = 1800) -> None:
+    """Run the tests of `path` again in a fresh TRITON_INTERPRET=1 process; fail with its output."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=1800,
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", path, *pytest_args],
+        env=env, capture_output=True, text=True, timeout=timeout,
     )
-    print(proc.stdout[-4000:])
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="already compiled or interpreted in this process")
+def test_kernels_under_triton_interpreter():
+    rerun_under_interpreter(__file__)
 
 
 def _interpreter_numpy2_compat() -> None:
