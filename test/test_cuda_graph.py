@@ -222,7 +222,7 @@ class HandDriver:
             batch_size=len(prompts),
             input_ids=t(sum(prompts, [])),
             positions=t([i for n in lens for i in range(n)]),
-            out_cache_loc=slots,
+            out_cache_loc=slots.to(self.device),
             req_pool_indices=t(self.rows),
             seq_lens=t(lens),
             extend_seq_lens=t(lens),

@@ -1,11 +1,11 @@
 import torch
 
-from sglang.srt.mem_cache.memory_pool import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
 
 def _cache(size=64):
-    alloc = TokenToKVPoolAllocator(size, "cpu")
+    alloc = TokenToKVPoolAllocator(size)
     return alloc, RadixCache(alloc)
 
 
@@ -64,7 +64,7 @@ def test_evict_cascades_to_parents():
 
 
 def test_allocator_reuses_freed_slots_once_the_free_list_runs_out():
-    alloc = TokenToKVPoolAllocator(8, "cpu")
+    alloc = TokenToKVPoolAllocator(8)
     first = alloc.alloc(6)
     alloc.free(first[:4])
     assert alloc.available_size() == 6
@@ -76,3 +76,20 @@ def test_allocator_reuses_freed_slots_once_the_free_list_runs_out():
     alloc.free(again)
     alloc.clear()
     assert alloc.available_size() == 8 and alloc.alloc(8).tolist() == list(range(1, 9))
+
+
+def test_freed_slots_are_copies():
+    """A freed view of the request->token table keeps its slots when the row is rewritten."""
+    alloc = TokenToKVPoolAllocator(4)
+    row = torch.zeros(8, dtype=torch.int64)
+    row[:4] = alloc.alloc(4)
+    alloc.free(row[:2])
+    row[:2] = 0  # the next request writes the row
+    assert sorted(alloc.alloc(2).tolist()) == [1, 2]
+
+
+def test_write_spans_fills_each_span_through_one_copy():
+    pool = ReqToTokenPool(4, 6, "cpu")
+    out = pool.write_spans([2, 0, 3], [1, 5, 0], [2, 0, 3], torch.tensor([7, 8, 9, 10, 11]))
+    assert out.tolist() == [7, 8, 9, 10, 11]
+    assert pool.req_to_token.tolist() == [[0] * 6, [0] * 6, [0, 7, 8, 0, 0, 0], [9, 10, 11, 0, 0, 0]]

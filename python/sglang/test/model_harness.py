@@ -69,7 +69,7 @@ class ModelHarness:
         self.model, self.device = model, device
         size = max_requests * max_context_len
         self.req_to_token_pool = ReqToTokenPool(max_requests, max_context_len, device)
-        self.allocator = TokenToKVPoolAllocator(size, device)
+        self.allocator = TokenToKVPoolAllocator(size)
         self.kv_pool = kv_pool or make_kv_pool(model_config, size, device)
         self.attn_backend = TorchNativeAttnBackend()
         self.gathered_buffer: Optional[torch.Tensor] = None
@@ -223,7 +223,7 @@ class ModelHarness:
             batch_size=len(reqs),
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            out_cache_loc=torch.cat(out_loc) if out_loc else torch.empty(0, dtype=torch.int64, device=dev),
+            out_cache_loc=torch.cat(out_loc).to(dev) if out_loc else torch.empty(0, dtype=torch.int64, device=dev),
             req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
             extend_seq_lens=torch.tensor(lens, dtype=torch.int64, device=dev),

@@ -1,6 +1,7 @@
 """Batched sampling on the logits' device: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
 One host round-trip per step: the caller copies the sampled ids (and logprobs) back once.
+Building a batch's parameters uploads nothing for an all-greedy batch without penalties.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.utils.transfer import to_device, upload
 
 # The id reported for a row whose logits were not finite (--enable-nan-detection).
 NAN_TOKEN_ID = -1
@@ -18,12 +20,13 @@ NAN_TOKEN_ID = -1
 
 @dataclass
 class SamplingBatchInfo:
-    temperatures: torch.Tensor  # [B, 1]
-    top_ps: torch.Tensor  # [B]
-    top_ks: torch.Tensor  # [B] (vocab size where disabled)
-    min_ps: torch.Tensor  # [B]
     all_greedy: bool
     need_min_p: bool
+    # Filters, on the device; None when all_greedy (argmax reads none of them).
+    temperatures: Optional[torch.Tensor] = None  # [B, 1]
+    top_ps: Optional[torch.Tensor] = None  # [B]
+    top_ks: Optional[torch.Tensor] = None  # [B] (vocab size where disabled)
+    min_ps: Optional[torch.Tensor] = None  # [B]
     # Penalties: None when no request in the batch uses them.
     frequency_penalties: Optional[torch.Tensor] = None  # [B, 1]
     presence_penalties: Optional[torch.Tensor] = None  # [B, 1]
@@ -41,41 +44,50 @@ class SamplingBatchInfo:
         vocab_size: int,
         device: str,
     ) -> "SamplingBatchInfo":
-        """token_histories: (prompt ids, output ids) per request, read only when penalties are on."""
-
-        def col(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        temps = [1.0 if p.is_greedy else p.temperature for p in params]
-        top_ks = [vocab_size if (p.top_k < 0 or p.top_k > vocab_size) else p.top_k for p in params]
+        """token_histories: (prompt ids, output ids) per request, read only when penalties are on.
+        At most one upload per kind of tensor (filters, penalty values, penalty token ids)."""
         info = cls(
-            temperatures=col(temps).view(-1, 1),
-            top_ps=col([p.top_p for p in params]),
-            top_ks=col([1 if p.is_greedy else k for p, k in zip(params, top_ks)], torch.int64),
-            min_ps=col([p.min_p for p in params]),
             all_greedy=all(p.is_greedy for p in params),
             need_min_p=any(p.min_p > 0 for p in params),
             generators=list(generators) if any(g is not None for g in generators) else None,
         )
+        if not info.all_greedy:
+            top_ks = [vocab_size if (p.top_k < 0 or p.top_k > vocab_size) else p.top_k for p in params]
+            temps, top_ps, top_ks_f, min_ps = upload(
+                [
+                    [1.0 if p.is_greedy else p.temperature for p in params],
+                    [p.top_p for p in params],
+                    [1 if p.is_greedy else k for p, k in zip(params, top_ks)],  # exact in float32 (< 2**24)
+                    [p.min_p for p in params],
+                ],
+                device,
+                torch.float32,
+            )
+            info.temperatures, info.top_ps, info.min_ps = temps.view(-1, 1), top_ps, min_ps
+            info.top_ks = top_ks_f.long()
         if any(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0 for p in params):
             info._init_penalties(params, token_histories, vocab_size, device)
         return info
 
     def _init_penalties(self, params, token_histories, vocab_size: int, device: str) -> None:
         bs = len(params)
-        counts = torch.zeros((bs, vocab_size), dtype=torch.float32, device=device)
-        seen = torch.zeros((bs, vocab_size), dtype=torch.bool, device=device)
-        for i, (prompt, output) in enumerate(token_histories):
-            if output:
-                out = torch.tensor(output, dtype=torch.int64, device=device)
-                counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
-                seen[i, out] = True
-            seen[i, torch.tensor(prompt, dtype=torch.int64, device=device)] = True
-        self.output_counts, self.seen_mask = counts, seen
-        col = lambda v: torch.tensor(v, dtype=torch.float32, device=device).view(-1, 1)  # noqa: E731
-        self.frequency_penalties = col([p.frequency_penalty for p in params])
-        self.presence_penalties = col([p.presence_penalty for p in params])
-        self.repetition_penalties = col([p.repetition_penalty for p in params])
+        outputs = [torch.tensor(out, dtype=torch.int64) for _, out in token_histories]
+        seen = [torch.tensor(prompt + out, dtype=torch.int64) for prompt, out in token_histories]
+        rows = torch.arange(bs)
+        out_rows = torch.repeat_interleave(rows, torch.tensor([len(t) for t in outputs], dtype=torch.int64))
+        seen_rows = torch.repeat_interleave(rows, torch.tensor([len(t) for t in seen], dtype=torch.int64))
+        host = torch.cat([out_rows, *outputs, seen_rows, *seen])
+        n_out, n_seen = len(out_rows), len(seen_rows)
+        out_r, out_ids, seen_r, seen_ids = to_device(host, device).split([n_out, n_out, n_seen, n_seen])
+        self.output_counts = torch.zeros((bs, vocab_size), dtype=torch.float32, device=device)
+        self.output_counts.index_put_((out_r, out_ids), torch.ones(n_out, device=device), accumulate=True)
+        self.seen_mask = torch.zeros((bs, vocab_size), dtype=torch.bool, device=device)
+        self.seen_mask[seen_r, seen_ids] = True
+        values = [[p.frequency_penalty, p.presence_penalty, p.repetition_penalty] for p in params]
+        freq, pres, rep = upload(list(zip(*values)), device, torch.float32)
+        self.frequency_penalties, self.presence_penalties, self.repetition_penalties = (
+            freq.view(-1, 1), pres.view(-1, 1), rep.view(-1, 1),
+        )
 
     def apply_penalties(self, logits: torch.Tensor) -> torch.Tensor:
         if self.output_counts is None:

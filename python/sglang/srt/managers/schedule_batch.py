@@ -10,6 +10,7 @@ import torch
 
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.utils.transfer import upload
 
 
 @dataclass
@@ -124,18 +125,20 @@ class ScheduleBatch:
         return cls(ForwardMode.DECODE, reqs, input_ids, positions, None, seq_lens, [1] * len(reqs), [s - 1 for s in seq_lens])
 
     def to_forward_batch(self, device: str) -> ForwardBatch:
-        def t(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=device)
-
+        """The batch's host lists reach the device through one upload."""
+        input_ids, positions, req_pool_indices, seq_lens, extend_seq_lens = upload(
+            [self.input_ids, self.positions, [r.req_pool_idx for r in self.reqs], self.seq_lens, self.extend_lens],
+            device,
+        )
         return ForwardBatch(
             mode=self.mode,
             batch_size=len(self.reqs),
-            input_ids=t(self.input_ids),
-            positions=t(self.positions),
-            out_cache_loc=self.out_cache_loc.to(device),
-            req_pool_indices=t([r.req_pool_idx for r in self.reqs]),
-            seq_lens=t(self.seq_lens),
-            extend_seq_lens=t(self.extend_lens),
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=self.out_cache_loc.to(device),  # already there, except for an idle batch
+            req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens,
+            extend_seq_lens=extend_seq_lens,
             seq_lens_cpu=list(self.seq_lens),
             extend_seq_lens_cpu=list(self.extend_lens),
             global_num_tokens=self.global_num_tokens,

@@ -20,6 +20,7 @@ from sglang.srt.mem_cache.req_kv import ReqKVManager
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.transfer import to_host, upload
 
 
 @dataclass
@@ -71,18 +72,23 @@ class TpModelWorker:
     def sample_rows(
         self, reqs: list[Req], rows: list[int], output: LogitsProcessorOutput, result: GenerationResult
     ) -> SampleOutput:
-        """Sample one token for reqs[i] from logits row i, for i in rows, into result."""
+        """Sample one token for reqs[i] from logits row i, for i in rows (ascending), into
+        result. The sampled values reach the host through one read."""
         chosen = [reqs[i] for i in rows]
-        out = self.sample(chosen, output.next_token_logits[rows])
-        ids = out.next_token_ids.tolist()
-        if any(r.return_logprob for r in reqs):
+        logits = output.next_token_logits
+        if len(rows) < logits.shape[0]:  # else rows are all rows, in order
+            logits = logits[upload([rows], self.device)[0]]
+        out = self.sample(chosen, logits)
+        want_logprobs = any(r.return_logprob for r in reqs)
+        extra = (out.logprobs, *(out.top_logprobs or ())) if want_logprobs else ()
+        ids, *extra_lists = to_host(out.next_token_ids, *extra)
+        if want_logprobs:
             result.logprobs = [[] for _ in reqs]
             result.top_logprobs = [[] for _ in reqs]
-            lp = out.logprobs.tolist()
-            tops = [t.tolist() for t in out.top_logprobs] if out.top_logprobs is not None else None
+            lp, tops = extra_lists[0], extra_lists[1:]  # tops: [values, ids] or []
             for j, i in enumerate(rows):
                 result.logprobs[i].append((lp[j], ids[j]))
-                if tops is not None and reqs[i].top_logprobs_num:
+                if tops and reqs[i].top_logprobs_num:
                     k = reqs[i].top_logprobs_num
                     result.top_logprobs[i].append(list(zip(tops[0][j][:k], tops[1][j][:k])))
         for j, i in enumerate(rows):

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
+
+from sglang.srt.utils.transfer import to_device
 
 
 class ReqToTokenPool:
@@ -32,17 +35,30 @@ class ReqToTokenPool:
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.req_to_token[row, start : start + len(slots)] = slots
 
+    def write_spans(self, rows: list[int], starts: list[int], counts: list[int], slots: torch.Tensor) -> torch.Tensor:
+        """req_to_token[rows[i], starts[i] : starts[i] + counts[i]] = the next counts[i] of
+        `slots` (host), for every i, through one upload; returns the slots on the device."""
+        n = np.asarray(counts, dtype=np.int64)
+        first = np.asarray(rows, dtype=np.int64) * self.max_context_len + np.asarray(starts, dtype=np.int64)
+        # Flat table index of each slot: its span's first index + its offset in the span.
+        index = torch.from_numpy(np.arange(len(slots)) + np.repeat(first - (np.cumsum(n) - n), n))
+        packed = to_device(torch.cat([slots, index]), self.req_to_token.device)
+        dev_slots, dev_index = packed.split_with_sizes([len(slots)] * 2)
+        self.req_to_token.view(-1)[dev_index] = dev_slots
+        return dev_slots
+
 
 class TokenToKVPoolAllocator:
-    """Free list of KV slots 1..size (slot 0 is the dummy slot).
+    """Free list of KV slots 1..size (slot 0 is the dummy slot), kept on the host.
 
     free() only queues the slots (O(freed)); they join the free list when alloc() runs out
     of it. Copying the whole free list on every free cost 100 ms per call on a 170M-slot
-    pool (a small model on an H200), and speculative decoding frees slots every cycle."""
+    pool (a small model on an H200), and speculative decoding frees slots every cycle.
+    Queued slots are the allocator's own copies: a caller's tensor may be a view of the
+    request->token table, which is rewritten later."""
 
-    def __init__(self, size: int, device: str):
+    def __init__(self, size: int):
         self.size = size
-        self.device = device
         self.clear()
 
     def clear(self) -> None:
@@ -54,16 +70,19 @@ class TokenToKVPoolAllocator:
         return len(self.free_slots) + self.num_released
 
     def alloc(self, n: int) -> torch.Tensor | None:
+        """n free slots, on the host (None if there are fewer)."""
         if n > len(self.free_slots):
             self._merge_released()
             if n > len(self.free_slots):
                 return None
         out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
-        return out.to(self.device)
+        return out
 
     def free(self, slots: torch.Tensor) -> None:
+        """Queue slots (host, or device: then read back here, so free device slots only when
+        the device is idle anyway, e.g. after the step's sampled ids were read)."""
         if slots.numel():
-            self.released.append(slots.to("cpu", torch.int64))
+            self.released.append(slots.to("cpu", torch.int64, copy=True))
             self.num_released += slots.numel()
 
     def _merge_released(self) -> None:

@@ -31,7 +31,7 @@ class ReqKVManager:
         return self.allocator.available_size() + evictable
 
     def alloc(self, n: int) -> torch.Tensor:
-        """n free slots, evicting cached prefixes if needed."""
+        """n free slots (host), evicting cached prefixes if needed."""
         short = n - self.allocator.available_size()
         if short > 0 and self.tree_cache is not None:
             self.tree_cache.evict(short)
@@ -41,13 +41,10 @@ class ReqKVManager:
         return slots
 
     def assign(self, reqs: list[Req], counts: list[int]) -> torch.Tensor:
-        """Slots for each request's next counts[i] positions (from kv_len), written into its row."""
-        slots = self.alloc(sum(counts))
-        offset = 0
-        for req, n in zip(reqs, counts):
-            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots[offset : offset + n])
-            offset += n
-        return slots
+        """Slots for each request's next counts[i] positions (from kv_len), written into its
+        row; returned on the table's device."""
+        rows, starts = [r.req_pool_idx for r in reqs], [r.kv_len for r in reqs]
+        return self.req_to_token_pool.write_spans(rows, starts, counts, self.alloc(sum(counts)))
 
     def slots_of(self, req: Req, start: int, end: int) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end]
@@ -63,7 +60,7 @@ class ReqKVManager:
         req.req_pool_idx = self.req_to_token_pool.alloc()
         if self.tree_cache is not None and req.prefix_slots is not None:
             self.tree_cache.inc_lock_ref(req.last_node)
-            self.req_to_token_pool.write(req.req_pool_idx, 0, req.prefix_slots.to(self.req_to_token_pool.req_to_token.device))
+            self.req_to_token_pool.write_spans([req.req_pool_idx], [0], [len(req.prefix_slots)], req.prefix_slots)
             req.kv_len = req.cache_prefix_len = len(req.prefix_slots)
         req.prefix_slots = None
 

@@ -84,7 +84,7 @@ class ModelRunner:
         self.req_to_token_pool = req_to_token_pool or ReqToTokenPool(
             self.max_running_requests, model_config.context_len + max(8, tree_width), self.device
         )
-        self.token_allocator = token_allocator or TokenToKVPoolAllocator(self.max_total_num_tokens, self.device)
+        self.token_allocator = token_allocator or TokenToKVPoolAllocator(self.max_total_num_tokens)
         self.kv_pool = self._make_kv_pool()
         self.gathered_buffer = gathered_buffer
         if server_args.enable_dp_attention and gathered_buffer is None:

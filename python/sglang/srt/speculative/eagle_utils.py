@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang.srt.utils.transfer import to_host
+
 
 def select_step_inputs(
     child_scores: torch.Tensor, child_tokens: torch.Tensor, topk: int
@@ -36,18 +38,19 @@ class VerifyTree:
     parents: list[list[int]]  # [bs][n] parent node (-1 for the root)
     depths: list[list[int]]  # [bs][n] depth (0 for the root)
 
-    def ancestor_mask(self, b: int) -> torch.Tensor:
-        """[n, n] bool: node a sees node c iff c is a or an ancestor of a."""
-        parents = self.parents[b]
-        n = len(parents)
-        mask = torch.eye(n, dtype=torch.bool)
-        for node in range(1, n):
-            mask[node] |= mask[parents[node]]
+    def ancestor_masks(self) -> torch.Tensor:
+        """[bs, n, n] bool (host): node a of request b sees node c iff c is a or an ancestor of a."""
+        parents = torch.tensor(self.parents).clamp_(min=0)  # the root stands in for its own parent
+        bs, n = parents.shape
+        itself = torch.eye(n, dtype=torch.bool).expand(bs, n, n)
+        mask, parent_rows = itself, parents.unsqueeze(-1).expand(bs, n, n)
+        for _ in range(max(max(d) for d in self.depths)):  # each pass adds one more generation
+            mask = itself | mask.gather(1, parent_rows)
         return mask
 
 
 def build_verify_tree(
-    root_tokens: torch.Tensor,
+    root_tokens: list[int],
     cand_scores: torch.Tensor,
     cand_tokens: torch.Tensor,
     cand_parents: torch.Tensor,
@@ -55,14 +58,14 @@ def build_verify_tree(
 ) -> VerifyTree:
     """Keep the num_draft_tokens - 1 best candidates per request (plus the root).
 
-    cand_*: [bs, M]. A child's score never exceeds its parent's and a parent's number is
-    smaller, so a stable descending sort ranks every parent before its children: the kept
-    set is closed under ancestors.
+    root_tokens: [bs] (host); cand_*: [bs, M]. A child's score never exceeds its parent's and
+    a parent's number is smaller, so a stable descending sort ranks every parent before its
+    children: the kept set is closed under ancestors. One read of the device.
     """
     order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, : num_draft_tokens - 1]
     chosen = order.sort(dim=1).values
-    tokens = torch.cat([root_tokens.view(-1, 1), cand_tokens.gather(1, chosen)], dim=1).tolist()
-    chosen_l, parents_l = chosen.tolist(), cand_parents.gather(1, chosen).tolist()
+    chosen_l, tokens_l, parents_l = to_host(chosen, cand_tokens.gather(1, chosen), cand_parents.gather(1, chosen))
+    tokens = [[root] + toks for root, toks in zip(root_tokens, tokens_l)]
     all_parents, all_depths = [], []
     for cands, cand_par in zip(chosen_l, parents_l):
         node_of = {c: i + 1 for i, c in enumerate(cands)}

@@ -33,13 +33,13 @@ from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.tp_worker import GenerationResult, TpModelWorker
-from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.eagle_utils import VerifyTree, build_verify_tree, select_step_inputs, walk_tree
 from sglang.srt.speculative.spec_info import DraftState, SpecInput
 from sglang.srt.speculative.spec_plan import SpecIterationPlan, SpecSizes, SubForward
+from sglang.srt.utils.transfer import to_device, to_host, upload
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class EAGLEWorker:
         draft_fb = replace(
             fb,
             mode=ForwardMode.DRAFT_EXTEND,
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
+            input_ids=upload([ids], self.device)[0],
             capture_hidden_mode=CaptureHiddenMode.LAST,
             spec_info=SpecInput(out.hidden_states),
         )
@@ -210,13 +210,15 @@ class EAGLEWorker:
         return result
 
     def _store_states(self, reqs: list[Req], out: LogitsProcessorOutput, rows: list[int]) -> None:
-        """Keep the draft's top-k guesses and hidden state at each request's last position."""
+        """Keep the draft's top-k guesses and hidden state at each request's last position
+        (rows: ascending rows of out, one per request)."""
         if not reqs:
             return
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        probs = torch.softmax(out.next_token_logits[rows_t], dim=-1)
-        topk_p, topk_index = torch.topk(probs, self.topk, dim=-1)
-        hidden = out.hidden_states[rows_t]
+        logits, hidden = out.next_token_logits, out.hidden_states
+        if len(rows) < logits.shape[0]:  # else rows are all rows, in order
+            rows_t = upload([rows], self.device)[0]
+            logits, hidden = logits[rows_t], hidden[rows_t]
+        topk_p, topk_index = torch.topk(torch.softmax(logits, dim=-1), self.topk, dim=-1)
         for j, req in enumerate(reqs):
             self.states[req.rid] = DraftState(topk_p[j], topk_index[j], hidden[j])
 
@@ -225,48 +227,53 @@ class EAGLEWorker:
         reqs = batch.reqs
         states = [self.states[r.rid] for r in reqs]
         cand_scores, cand_tokens, cand_parents = self.draft(reqs, states, it)
-        root = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
-        tree = build_verify_tree(root, cand_scores, cand_tokens, cand_parents, self.num_draft)
+        tree = build_verify_tree(batch.input_ids, cand_scores, cand_tokens, cand_parents, self.num_draft)
         slots, out = self.verify(reqs, tree, it)
         paths, bonus, result = self.accept(reqs, tree, out)
-        kept = self.keep_accepted(reqs, slots, paths)
-        self.draft_extend(reqs, tree, paths, bonus, kept, out.hidden_states, it)
+        out_cache_loc = self.keep_accepted(reqs, slots, paths)
+        self.draft_extend(reqs, tree, paths, bonus, out_cache_loc, out.hidden_states, it)
         return result
 
-    def _rows(self, reqs: list[Req]) -> torch.Tensor:
-        return torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=self.device)
+    def _positions(self, values: list[int]) -> list[int]:
+        return [min(v, self.max_position) for v in values]
 
-    def _positions(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device).clamp_(max=self.max_position)
+    def _write_slots(self, reqs: list[Req], width: int, slots: torch.Tensor) -> torch.Tensor:
+        """Host slots [bs * width] into each request's row from kv_len; returns them on the device."""
+        rows, starts = [r.req_pool_idx for r in reqs], [r.kv_len for r in reqs]
+        return self.req_to_token_pool.write_spans(rows, starts, [width] * len(reqs), slots)
 
     def _tree_batch(
         self,
         mode: ForwardMode,
         reqs: list[Req],
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
+        input_ids: torch.Tensor | list[int],
+        positions: list[int],
         out_cache_loc: torch.Tensor,
-        tree_masks: list[torch.Tensor],
+        tree_mask: torch.Tensor,
         hidden: Optional[torch.Tensor],
     ) -> ForwardBatch:
         """Each request's new tokens sit right after its KV (kv_len = L-1) and see the whole
-        prefix plus the columns its tree mask [new, new_total] allows (new_total: the same
-        for every request, the batch's tree_cols)."""
-        ext = [m.shape[0] for m in tree_masks]
-        seq = [r.kv_len + m.shape[1] for r, m in zip(reqs, tree_masks)]
-        mask = torch.cat(tree_masks)
+        prefix plus the columns its tree mask [bs, new, tree_cols] allows. Host values (the
+        input ids too when given as a list) reach the device through one upload."""
+        bs, new, cols = tree_mask.shape
+        ext = [new] * bs
+        seq = [r.kv_len + cols for r in reqs]
+        host_ids = input_ids if isinstance(input_ids, list) else []
+        ids, pos, rows, seq_t, ext_t = upload(
+            [host_ids, self._positions(positions), [r.req_pool_idx for r in reqs], seq, ext], self.device
+        )
         return ForwardBatch(
             mode=mode,
-            batch_size=len(reqs),
-            input_ids=input_ids,
-            positions=positions,
+            batch_size=bs,
+            input_ids=ids if isinstance(input_ids, list) else input_ids,
+            positions=pos,
             out_cache_loc=out_cache_loc,
-            req_pool_indices=self._rows(reqs),
-            seq_lens=torch.tensor(seq, dtype=torch.int64, device=self.device),
-            extend_seq_lens=torch.tensor(ext, dtype=torch.int64, device=self.device),
+            req_pool_indices=rows,
+            seq_lens=seq_t,
+            extend_seq_lens=ext_t,
             seq_lens_cpu=seq,
             extend_seq_lens_cpu=ext,
-            custom_mask=mask.to(self.device),
+            custom_mask=to_device(tree_mask.flatten(0, 1), self.device),
             capture_hidden_mode=CaptureHiddenMode.FULL,
             spec_info=SpecInput(hidden) if hidden is not None else None,
         )
@@ -285,9 +292,8 @@ class EAGLEWorker:
             return scores, tokens, cand_parents[0]
         # Scratch slots: step t's inputs of request b at row positions kv_len + t*k + j.
         width = (self.steps - 1) * k
-        scratch = self.kv.alloc(bs * width).view(bs, width)
-        for b, req in enumerate(reqs):
-            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, scratch[b])
+        scratch_host = self.kv.alloc(bs * width)
+        scratch = self._write_slots(reqs, width, scratch_host).view(bs, width)
         input_cand = torch.arange(k, device=self.device).expand(bs, k)  # candidate number of each input
         # Tree mask of step t, [bs, k, (t+1)k], built on the device (no host sync between steps).
         itself = torch.eye(k, dtype=torch.bool, device=self.device).expand(bs, k, k)
@@ -298,9 +304,9 @@ class EAGLEWorker:
                 ForwardMode.DRAFT_DECODE,
                 reqs,
                 tokens.flatten(),
-                self._positions([r.kv_len + t for r in reqs for _ in range(k)]),
+                [r.kv_len + t for r in reqs for _ in range(k)],
                 scratch[:, t * k : (t + 1) * k].flatten(),
-                list(ancestors),
+                ancestors,
                 hidden,
             )
             out = self._forward(self.draft_runner, fb, SubForward.DRAFT_STEP, it)
@@ -317,25 +323,23 @@ class EAGLEWorker:
             input_cand = k + t * k * k + flat
             hidden = out.hidden_states.view(bs, k, -1)[arange_bs, parent_input].flatten(0, 1)
             ancestors = torch.cat([ancestors[arange_bs, parent_input], itself], dim=2)
-        self.kv.allocator.free(scratch.flatten())
+        self.kv.allocator.free(scratch_host)
         return torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1)
 
     def verify(self, reqs: list[Req], tree: VerifyTree, it: SpecIterationPlan) -> tuple[torch.Tensor, LogitsProcessorOutput]:
-        """Target forward over every request's tree; returns its slots [bs, n] and output."""
+        """Target forward over every request's tree; returns its slots [bs, n] (host) and output."""
         n = self.num_draft
-        slots = self.kv.alloc(len(reqs) * n).view(len(reqs), n)
-        for b, req in enumerate(reqs):
-            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots[b])
+        slots = self.kv.alloc(len(reqs) * n)
         fb = self._tree_batch(
             ForwardMode.TARGET_VERIFY,
             reqs,
-            torch.tensor(tree.tokens, dtype=torch.int64, device=self.device).flatten(),
-            self._positions([r.kv_len + d for r, depths in zip(reqs, tree.depths) for d in depths]),
-            slots.flatten(),
-            [tree.ancestor_mask(b) for b in range(len(reqs))],
+            [tok for toks in tree.tokens for tok in toks],
+            [r.kv_len + d for r, depths in zip(reqs, tree.depths) for d in depths],
+            self._write_slots(reqs, n, slots),
+            tree.ancestor_masks(),
             None,
         )
-        return slots, self._forward(self.target.runner, fb, SubForward.TARGET_VERIFY, it)
+        return slots.view(len(reqs), n), self._forward(self.target.runner, fb, SubForward.TARGET_VERIFY, it)
 
     def accept(
         self, reqs: list[Req], tree: VerifyTree, out: LogitsProcessorOutput
@@ -353,29 +357,34 @@ class EAGLEWorker:
             self.device,
         )
         logits = info.apply_penalties(logits)
-        node_tok = torch.tensor(tree.tokens, dtype=torch.int64, device=self.device)  # [bs, n]
-        parent_rows = torch.tensor(tree.parents, dtype=torch.int64, device=self.device).clamp_(min=0)
-        parent_rows = parent_rows + torch.arange(bs, device=self.device).view(-1, 1) * n
-        if info.all_greedy:
-            target_tok = logits.argmax(dim=-1)
-            child_prob = (target_tok[parent_rows] == node_tok).float().tolist()
-            uniforms = [[0.0] * n] * bs
-            paths = [walk_tree(tree.parents[b], child_prob[b], uniforms[b])[0] for b in range(bs)]
-            finals = [b * n + (p[-1] if p else 0) for b, p in enumerate(paths)]
-            bonus = target_tok[finals].tolist()
+        # Row of each node's parent (the root's own row stands in for its missing parent).
+        parent_rows = [[b * n + max(p, 0) for p in parents] for b, parents in enumerate(tree.parents)]
+        if info.all_greedy:  # one read: the target's argmax at every node
+            (target_tok,) = to_host(logits.argmax(dim=-1))
+            child_prob = [
+                [float(target_tok[r] == tok) for r, tok in zip(rows, toks)]
+                for rows, toks in zip(parent_rows, tree.tokens)
+            ]
+            paths = [walk_tree(tree.parents[b], child_prob[b], [0.0] * n)[0] for b in range(bs)]
+            bonus = [target_tok[b * n + (p[-1] if p else 0)] for b, p in enumerate(paths)]
         else:
+            parent_t, node_t = upload(
+                [[r for rows in parent_rows for r in rows], [t for toks in tree.tokens for t in toks]], self.device
+            )
             probs = Sampler.filtered_probs(logits, info)
-            child_prob = probs[parent_rows, node_tok].tolist()
-            uniforms = self._uniforms(reqs, n).tolist()
+            child_prob, uniforms = to_host(probs[parent_t, node_t].view(bs, n), self._uniforms(reqs, n))
             walks = [walk_tree(tree.parents[b], child_prob[b], uniforms[b]) for b in range(bs)]
             paths = [w[0] for w in walks]
             finals = [b * n + (p[-1] if p else 0) for b, p in enumerate(paths)]
-            residual = probs[finals].clone()
-            for b, (_, rejected) in enumerate(walks):
-                residual[b, [tree.tokens[b][c] for c in rejected]] = 0.0
+            rejected = [(b, tree.tokens[b][c]) for b, (_, cands) in enumerate(walks) for c in cands]
+            finals_t, rej_rows, rej_toks = upload(
+                [finals, [b for b, _ in rejected], [tok for _, tok in rejected]], self.device
+            )
+            residual = probs[finals_t]  # a copy
+            residual[rej_rows, rej_toks] = 0.0
             residual /= residual.sum(dim=-1, keepdim=True)
             generators = [self.target.generators.get(r.rid) for r in reqs]
-            bonus = Sampler._draw(residual, generators if any(generators) else None).tolist()
+            (bonus,) = to_host(Sampler._draw(residual, generators if any(generators) else None))
         emitted = [[tree.tokens[b][c] for c in paths[b]] + [bonus[b]] for b in range(bs)]
         result = GenerationResult(
             next_token_ids=emitted,
@@ -411,11 +420,11 @@ class EAGLEWorker:
         """Logprob of each emitted token under the target logits (after penalties) of the node before it."""
         n = self.num_draft
         rows = [b * n + node for b, p in enumerate(paths) for node in [0] + p]
-        toks = [t for e in emitted for t in e]
-        logprobs = torch.log_softmax(logits[rows], dim=-1)
-        chosen = logprobs[torch.arange(len(rows), device=self.device), torch.tensor(toks, device=self.device)].tolist()
+        rows_t, toks_t = upload([rows, [t for e in emitted for t in e]], self.device)
+        logprobs = torch.log_softmax(logits[rows_t], dim=-1)
         top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
-        tops = [t.tolist() for t in torch.topk(logprobs, top_n, dim=-1)] if top_n else None
+        top = torch.topk(logprobs, top_n, dim=-1) if top_n else ()
+        chosen, *tops = to_host(logprobs[torch.arange(len(rows), device=self.device), toks_t], *top)
         result.logprobs, result.top_logprobs = [], []
         i = 0
         for req, e in zip(reqs, emitted):
@@ -426,17 +435,21 @@ class EAGLEWorker:
             )
             i += len(e)
 
-    def keep_accepted(self, reqs: list[Req], slots: torch.Tensor, paths: list[list[int]]) -> list[torch.Tensor]:
-        """Move the root's and accepted nodes' slots to positions kv_len.. ; free the others."""
-        keep = torch.zeros(slots.shape, dtype=torch.bool)
-        kept = []
-        for b, (req, path) in enumerate(zip(reqs, paths)):
-            nodes = [0] + path
-            keep[b, nodes] = True
-            kept.append(slots[b, nodes])
-            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, kept[-1])
-        self.kv.allocator.free(slots[keep.to(slots.device).logical_not()])
-        return kept
+    def keep_accepted(self, reqs: list[Req], slots: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """Move the root's and accepted nodes' slots (host, [bs, n]) to positions kv_len.. and
+        free the others. Positions past them, up to the draft extend's rows per request, get
+        the dummy slot (the draft extend's pad rows write there). Returns the draft extend's
+        out_cache_loc [bs * rows], on the device."""
+        n, width = slots.shape[1], self.sizes.draft_extend_rows
+        flat = slots.flatten()
+        dummy = flat.numel()  # index of the dummy slot appended below
+        kept = [[b * n + node for node in [0] + path] for b, path in enumerate(paths)]
+        src = [i for k in kept for i in k + [dummy] * (width - len(k))]
+        written = torch.cat([flat, torch.tensor([_DUMMY_SLOT])])[torch.tensor(src)]
+        keep = torch.zeros(dummy, dtype=torch.bool)
+        keep[torch.tensor([i for k in kept for i in k])] = True
+        self.kv.allocator.free(flat[~keep])
+        return self._write_slots(reqs, width, written)
 
     def draft_extend(
         self,
@@ -444,7 +457,7 @@ class EAGLEWorker:
         tree: VerifyTree,
         paths: list[list[int]],
         bonus: list[int],
-        kept: list[torch.Tensor],
+        out_cache_loc: torch.Tensor,
         target_hidden: torch.Tensor,
         it: SpecIterationPlan,
     ) -> None:
@@ -453,32 +466,33 @@ class EAGLEWorker:
         (a size known before acceptance); rows past its accepted + 1 are pads that come after
         every real row (so no real row sees them, causally) and write the dummy KV slot."""
         n, width = self.num_draft, self.sizes.draft_extend_rows
-        ids, positions, hidden_rows, last_rows, out_slots = [], [], [], [], []
+        ids, positions, hidden_rows, last_rows = [], [], [], []
         for b, (req, path) in enumerate(zip(reqs, paths)):
             nodes, pad = [0] + path, width - len(path) - 1
             ids += [tree.tokens[b][c] for c in path] + [bonus[b]] + [0] * pad
             positions += range(req.kv_len, req.kv_len + width)
             hidden_rows += [b * n + node for node in nodes] + [b * n + nodes[-1]] * pad
             last_rows.append(b * width + len(nodes) - 1)
-            pads = kept[b].new_full((pad,), _DUMMY_SLOT)
-            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len + len(nodes), pads)
-            out_slots += [kept[b], pads]
         ext = [width] * len(reqs)
         seq = [r.kv_len + width for r in reqs]
+        ids_t, pos_t, rows_t, seq_t, ext_t, last_t, hidden_t = upload(
+            [ids, self._positions(positions), [r.req_pool_idx for r in reqs], seq, ext, last_rows, hidden_rows],
+            self.device,
+        )
         fb = ForwardBatch(
             mode=ForwardMode.DRAFT_EXTEND,
             batch_size=len(reqs),
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
-            positions=self._positions(positions),
-            out_cache_loc=torch.cat(out_slots),
-            req_pool_indices=self._rows(reqs),
-            seq_lens=torch.tensor(seq, dtype=torch.int64, device=self.device),
-            extend_seq_lens=torch.tensor(ext, dtype=torch.int64, device=self.device),
+            input_ids=ids_t,
+            positions=pos_t,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=rows_t,
+            seq_lens=seq_t,
+            extend_seq_lens=ext_t,
             seq_lens_cpu=seq,
             extend_seq_lens_cpu=ext,
             capture_hidden_mode=CaptureHiddenMode.LAST,
-            logits_indices=torch.tensor(last_rows, dtype=torch.int64, device=self.device),
-            spec_info=SpecInput(target_hidden[torch.tensor(hidden_rows, dtype=torch.int64, device=self.device)]),
+            logits_indices=last_t,
+            spec_info=SpecInput(target_hidden[hidden_t]),
         )
         out = self._forward(self.draft_runner, fb, SubForward.DRAFT_EXTEND, it)
         self._store_states(reqs, out, list(range(len(reqs))))

@@ -1,0 +1,47 @@
+"""Host<->device copies that stall the host at most once per step.
+
+On CUDA, a copy from pageable host memory and every read of device values wait until the
+GPU has finished all queued work, so the host can never run ahead of the GPU. Uploads here
+go through pinned memory without waiting (the caching host allocator keeps a pinned block
+until the copy that reads it is done, so the host tensor may be dropped at once); reads of
+several tensors share one wait.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import torch
+
+
+def _is_cuda(device: str | torch.device) -> bool:
+    return str(device).startswith("cuda")
+
+
+def to_device(host: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """A host tensor on `device` (on CUDA: copied from pinned memory, without waiting); a
+    tensor already there is returned as it is."""
+    if not _is_cuda(device) or host.is_cuda:
+        return host.to(device)
+    if not host.is_pinned():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def upload(
+    values: Sequence[Sequence[int | float]], device: str | torch.device, dtype: torch.dtype = torch.int64
+) -> list[torch.Tensor]:
+    """One device tensor per host list, all through a single copy (views of one buffer)."""
+    flat = list(itertools.chain.from_iterable(values))
+    host = torch.tensor(flat, dtype=dtype, pin_memory=_is_cuda(device))
+    return list(to_device(host, device).split_with_sizes([len(v) for v in values]))
+
+
+def to_host(*tensors: torch.Tensor) -> list:
+    """The tensors' values as (nested) lists, waiting for the device once for all of them."""
+    cuda = [t for t in tensors if t.is_cuda]
+    if cuda:
+        tensors = tuple(t.to("cpu", non_blocking=True) for t in tensors)  # into pinned memory
+        torch.cuda.current_stream(cuda[0].device).synchronize()
+    return [t.tolist() for t in tensors]

@@ -1,0 +1,72 @@
+"""Host<->device crossings per decode iteration, counted on CPU (on a GPU each read stalls the
+host until the GPU is done, and so does each upload from pageable memory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
+from sglang.test.inprocess_scheduler import start_scheduler
+from sglang.test.sync_counter import SyncCounter
+
+STEPS = 4
+
+
+def test_counter_sees_reads_uploads_and_transfers():
+    t = torch.arange(4)
+    with SyncCounter() as c:
+        t.tolist(), t[0].item(), int(t[1]), bool(t[2]), t.cpu()  # reads
+        torch.tensor([1, 2], device="cpu"), t[[0, 1]]  # uploads
+        t.to("cpu")  # a transfer
+        torch.tensor([1, 2]), t + 1, t[1:]  # host data and device work: not counted
+    assert (c.reads, c.uploads, c.transfers) == (5, 2, 1)
+
+
+def _decode_crossings(scheduler: Scheduler, batch_size: int) -> SyncCounter:
+    """Crossings of STEPS decode iterations of batch_size requests (none finishing meanwhile)."""
+    for i in range(batch_size):
+        params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+        scheduler.handle_message(TokenizedGenerateReqInput(f"r{i}", None, [5 + i, 17, 42, 99, 7], params))
+    while scheduler.waiting or scheduler.chunked_req:
+        scheduler.run_iteration()
+    counter = SyncCounter(trace=True)
+    with counter:
+        for _ in range(STEPS):
+            scheduler.run_iteration()
+    assert len(scheduler.running) == batch_size
+    return counter
+
+
+def _args(path: str, **spec) -> ServerArgs:
+    return ServerArgs(
+        model_path=path, device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=8, **spec
+    )
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_plain_decode_iteration_reads_the_device_once(tiny_llama_dir, batch_size):
+    """One read (the sampled ids) and, whatever the batch size, one upload of the new KV slots
+    into the request->token table plus one of the batch (and a no-op .to of its slots)."""
+    c = _decode_crossings(start_scheduler(_args(tiny_llama_dir)), batch_size)
+    assert c.reads == STEPS, c.sites
+    assert c.uploads + c.transfers <= 3 * STEPS, c.sites
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_speculative_decode_cycle_reads_the_device_twice(tiny_llama_dir, tmp_path, batch_size):
+    """Reads: the verify tree (three tensors read together: one wait on a GPU) and the target's
+    choices at accept. Uploads: a fixed number per cycle, whatever the batch size."""
+    from sglang.test.spec_models import make_eagle_head
+
+    head = make_eagle_head(tiny_llama_dir, str(tmp_path / "head"))
+    spec = dict(
+        speculative_algorithm="EAGLE", speculative_draft_model_path=head, speculative_num_steps=3,
+        speculative_eagle_topk=2, speculative_num_draft_tokens=4,
+    )
+    c = _decode_crossings(start_scheduler(_args(tiny_llama_dir, **spec)), batch_size)
+    assert c.reads == 4 * STEPS, c.sites
+    assert c.uploads + c.transfers <= 12 * STEPS, c.sites
