@@ -4,8 +4,6 @@ equal to eager (CUDA only)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from contextlib import contextmanager
 from dataclasses import replace
 from types import SimpleNamespace
@@ -304,13 +302,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 @pytest.mark.skipif(torch.cuda.is_available() or INTERPRETED, reason="CPU only; spawns the interpreter run")
 def test_captured_work_under_triton_interpreter():
-    """On CPU, run the test below in a fresh TRITON_INTERPRET=1 process (see test_triton_kernels)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", __file__, "-k", "captured_work_matches"],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
+    """On CPU, run the tests below in a fresh TRITON_INTERPRET=1 process (see test_triton_kernels)."""
+    from test_triton_kernels import rerun_under_interpreter
+
+    rerun_under_interpreter(__file__, "-k", "captured_work_matches", timeout=900)
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETED), reason="needs compiled or interpreted Triton")
