@@ -43,8 +43,13 @@ class ReqKVManager:
     def assign(self, reqs: list[Req], counts: list[int]) -> torch.Tensor:
         """Slots for each request's next counts[i] positions (from kv_len), written into its
         row; returned on the table's device."""
+        return self.write_after_kv(reqs, counts, self.alloc(sum(counts)))
+
+    def write_after_kv(self, reqs: list[Req], counts: list[int], slots: torch.Tensor) -> torch.Tensor:
+        """Host slots, the next counts[i] of them into request i's row from its kv_len (one
+        upload); returns them on the table's device."""
         rows, starts = [r.req_pool_idx for r in reqs], [r.kv_len for r in reqs]
-        return self.req_to_token_pool.write_spans(rows, starts, counts, self.alloc(sum(counts)))
+        return self.req_to_token_pool.write_spans(rows, starts, counts, slots)
 
     def slots_of(self, req: Req, start: int, end: int) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end]

@@ -82,14 +82,13 @@ class EAGLEWorker:
         self.sizes = SpecSizes.from_server_args(server_args)
         target_runner = target_worker.runner
         self.hidden_size = target_runner.model_config.hidden_size
-        self.req_to_token_pool = target_runner.req_to_token_pool
         self.draft_runner = ModelRunner(
             draft_model_config(server_args),
             server_args,
             gpu_id,
             tp_rank,
             server_args.tp_size,
-            req_to_token_pool=self.req_to_token_pool,
+            req_to_token_pool=target_runner.req_to_token_pool,
             token_allocator=target_runner.token_allocator,
             gathered_buffer=target_runner.gathered_buffer,
             is_draft=True,
@@ -164,8 +163,8 @@ class EAGLEWorker:
             if kind == SubForward.TARGET_VERIFY:
                 tree_cols = self.num_draft
             elif kind == SubForward.DRAFT_STEP:
+                tree_cols = self.sizes.draft_tree_widths[draft_steps]
                 draft_steps += 1
-                tree_cols = draft_steps * self.topk
             runner = self.target.runner if target else self.draft_runner
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             hidden = torch.empty((0, self.hidden_size), dtype=runner.dtype, device=self.device)
@@ -237,11 +236,6 @@ class EAGLEWorker:
     def _positions(self, values: list[int]) -> list[int]:
         return [min(v, self.max_position) for v in values]
 
-    def _write_slots(self, reqs: list[Req], width: int, slots: torch.Tensor) -> torch.Tensor:
-        """Host slots [bs * width] into each request's row from kv_len; returns them on the device."""
-        rows, starts = [r.req_pool_idx for r in reqs], [r.kv_len for r in reqs]
-        return self.req_to_token_pool.write_spans(rows, starts, [width] * len(reqs), slots)
-
     def _tree_batch(
         self,
         mode: ForwardMode,
@@ -293,7 +287,7 @@ class EAGLEWorker:
         # Scratch slots: step t's inputs of request b at row positions kv_len + t*k + j.
         width = (self.steps - 1) * k
         scratch_host = self.kv.alloc(bs * width)
-        scratch = self._write_slots(reqs, width, scratch_host).view(bs, width)
+        scratch = self.kv.write_after_kv(reqs, [width] * len(reqs), scratch_host).view(bs, width)
         input_cand = torch.arange(k, device=self.device).expand(bs, k)  # candidate number of each input
         # Tree mask of step t, [bs, k, (t+1)k], built on the device (no host sync between steps).
         itself = torch.eye(k, dtype=torch.bool, device=self.device).expand(bs, k, k)
@@ -335,7 +329,7 @@ class EAGLEWorker:
             reqs,
             [tok for toks in tree.tokens for tok in toks],
             [r.kv_len + d for r, depths in zip(reqs, tree.depths) for d in depths],
-            self._write_slots(reqs, n, slots),
+            self.kv.write_after_kv(reqs, [n] * len(reqs), slots),
             tree.ancestor_masks(),
             None,
         )
@@ -449,7 +443,7 @@ class EAGLEWorker:
         keep = torch.zeros(dummy, dtype=torch.bool)
         keep[torch.tensor([i for k in kept for i in k])] = True
         self.kv.allocator.free(flat[~keep])
-        return self._write_slots(reqs, width, written)
+        return self.kv.write_after_kv(reqs, [width] * len(reqs), written)
 
     def draft_extend(
         self,

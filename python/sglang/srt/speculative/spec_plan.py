@@ -59,21 +59,24 @@ class SpecSizes:
         """Request->token table columns a cycle uses past a request's KV."""
         return max(self.decode_kv_need_per_req, self.draft_extend_rows)
 
+    @property
+    def draft_tree_widths(self) -> tuple[int, ...]:
+        """Tree-mask columns of each draft step: step t's k tokens see a tree of (t + 1) k."""
+        return tuple((t + 1) * self.topk for t in range(self.steps - 1))
+
     def captured_modes(self, is_draft: bool) -> dict[ForwardMode, CapturedMode]:
         """The sub-forwards a CUDA graph captures: target verify on the target; every draft
         step (one graph per tree width) and the draft extend after verify on the draft."""
         if not is_draft:
             n = self.num_draft_tokens
             return {ForwardMode.TARGET_VERIFY: CapturedMode(n, (n,), CaptureHiddenMode.FULL)}
-        k = self.topk
         modes = {
             ForwardMode.DRAFT_EXTEND: CapturedMode(
                 self.draft_extend_rows, capture_hidden=CaptureHiddenMode.LAST, draft_input=True, logits_at_rows=True
             )
         }
-        if self.steps > 1:  # step t's k tokens see the prefix and a tree of (t + 1) k columns
-            widths = tuple((t + 1) * k for t in range(self.steps - 1))
-            modes[ForwardMode.DRAFT_DECODE] = CapturedMode(k, widths, CaptureHiddenMode.FULL, draft_input=True)
+        if self.steps > 1:  # one graph per draft step's tree width
+            modes[ForwardMode.DRAFT_DECODE] = CapturedMode(self.topk, self.draft_tree_widths, CaptureHiddenMode.FULL, draft_input=True)
         return modes
 
 
