@@ -33,6 +33,8 @@ def _decode_crossings(scheduler: Scheduler, batch_size: int) -> SyncCounter:
         scheduler.handle_message(TokenizedGenerateReqInput(f"r{i}", None, [5 + i, 17, 42, 99, 7], params))
     while scheduler.waiting or scheduler.chunked_req:
         scheduler.run_iteration()
+    for _ in range(2):  # overlap scheduling: the prefill's tokens arrive, the first decode is queued
+        scheduler.run_iteration()
     counter = SyncCounter(trace=True)
     with counter:
         for _ in range(STEPS):

@@ -35,6 +35,9 @@ class Req:
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     spec_verify_ct: int = 0
+    # Tokens sampled on the device whose values have not reached output_ids yet (overlap
+    # scheduling: at most one). Their KV is written by the forward that feeds them.
+    in_flight: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     to_abort: bool = False
 
@@ -45,6 +48,11 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def full_len(self) -> int:
+        """seq_len counting the tokens still in flight."""
+        return self.seq_len + self.in_flight
 
     @property
     def finished(self) -> bool:
@@ -82,6 +90,15 @@ class Req:
 
 
 @dataclass
+class FutureTokens:
+    """The tokens of the step in flight, still on the device: ids[index[rid]] is request
+    rid's newest token, which its next decode step feeds."""
+
+    ids: torch.Tensor
+    index: dict[str, int]
+
+
+@dataclass
 class ScheduleBatch:
     """Requests that run one forward together, with the KV slots their new tokens use."""
 
@@ -97,6 +114,11 @@ class ScheduleBatch:
     global_num_tokens: Optional[list[int]] = None
     # DP attention: DECODE when no DP rank extends this iteration (decode graphs may replay).
     global_forward_mode: Optional[ForwardMode] = None
+    # Decode under overlap scheduling: input_ids[i] comes from future.ids[future_src[i']] for
+    # the rows future_dst (their input_ids entries are placeholders until the device fills them).
+    future: Optional[FutureTokens] = None
+    future_dst: list[int] = field(default_factory=list)
+    future_src: list[int] = field(default_factory=list)
 
     @classmethod
     def idle(cls) -> "ScheduleBatch":
@@ -117,19 +139,36 @@ class ScheduleBatch:
         return cls(ForwardMode.EXTEND, reqs, input_ids, positions, out_cache_loc, seq_lens, extend_lens, prefix_lens)
 
     @classmethod
-    def for_decode(cls, reqs: list[Req]) -> "ScheduleBatch":
-        """Each req feeds its last sampled token, whose KV is not in the pool yet."""
-        input_ids = [r.output_ids[-1] for r in reqs]
-        positions = [r.seq_len - 1 for r in reqs]
-        seq_lens = [r.seq_len for r in reqs]
-        return cls(ForwardMode.DECODE, reqs, input_ids, positions, None, seq_lens, [1] * len(reqs), [s - 1 for s in seq_lens])
+    def for_decode(cls, reqs: list[Req], future: Optional[FutureTokens] = None) -> "ScheduleBatch":
+        """Each req feeds its newest token, whose KV is not in the pool yet; a token still in
+        flight is taken from `future` on the device."""
+        input_ids = [0 if r.in_flight else r.output_ids[-1] for r in reqs]
+        positions = [r.full_len - 1 for r in reqs]
+        seq_lens = [r.full_len for r in reqs]
+        batch = cls(ForwardMode.DECODE, reqs, input_ids, positions, None, seq_lens, [1] * len(reqs), positions)
+        dst = [i for i, r in enumerate(reqs) if r.in_flight]
+        if dst:
+            assert future is not None, "a request has a token in flight but no step is in flight"
+            batch.future, batch.future_dst = future, dst
+            batch.future_src = [future.index[reqs[i].rid] for i in dst]
+        return batch
 
     def to_forward_batch(self, device: str) -> ForwardBatch:
         """The batch's host lists reach the device through one upload."""
-        input_ids, positions, req_pool_indices, seq_lens, extend_seq_lens = upload(
-            [self.input_ids, self.positions, [r.req_pool_idx for r in self.reqs], self.seq_lens, self.extend_lens],
+        input_ids, positions, req_pool_indices, seq_lens, extend_seq_lens, dst, src = upload(
+            [
+                self.input_ids,
+                self.positions,
+                [r.req_pool_idx for r in self.reqs],
+                self.seq_lens,
+                self.extend_lens,
+                self.future_dst,
+                self.future_src,
+            ],
             device,
         )
+        if self.future is not None:
+            input_ids.index_copy_(0, dst, self.future.ids.index_select(0, src))
         return ForwardBatch(
             mode=self.mode,
             batch_size=len(self.reqs),

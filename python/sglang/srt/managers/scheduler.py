@@ -38,7 +38,7 @@ from sglang.srt.managers.io_struct import (
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting
 from sglang.srt.managers.scheduler_profiler import SchedulerProfiler
-from sglang.srt.managers.tp_worker import GenerationResult, TpModelWorker
+from sglang.srt.managers.tp_worker import GenerationResult, LaunchedStep, TpModelWorker
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.req_kv import ReqKVManager
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -94,6 +94,12 @@ class Scheduler:
         no_chunking = server_args.chunked_prefill_size == -1 and not server_args.enable_dp_attention
         self.chunk_size = None if no_chunking else runner.prefill_token_budget()
 
+        # Overlap scheduling: the next step is scheduled and queued while the device still runs
+        # this one (whose tokens the next decode step reads on the device). Speculative workers
+        # wait for their tokens inside each cycle, so they run one step at a time.
+        self.overlap = not server_args.disable_overlap_schedule and self.spec_worker is None
+        self.in_flight: Optional[tuple[ScheduleBatch, LaunchedStep]] = None
+
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Optional[Req] = None
@@ -147,15 +153,37 @@ class Scheduler:
 
     def run_iteration(self) -> None:
         self.iterations += 1
-        has_work = bool(self.waiting or self.running or self.chunked_req)
+        has_work = bool(self.waiting or self.running or self.chunked_req or self.in_flight)
         for msg in self.comm.broadcast_requests(self.recv_requests(block=not has_work and self.globally_idle)):
             self.handle_message(msg)
+        if not self.can_overlap():
+            self.finish_in_flight()
         batch, plan = self.get_next_batch(), None
         if self.comm.dp_attention:
             batch, plan = self.agree_on_plan(batch)
+        previous, self.in_flight = self.in_flight, None
         if batch is not None:
-            self.run_and_process(batch, plan)
+            self.in_flight = (batch, self.launch(batch, plan))
             self.profiler.step()
+        if previous is not None:
+            self.process(*previous)
+        if not self.overlap:
+            self.finish_in_flight()
+
+    def can_overlap(self) -> bool:
+        """Whether the next batch may be scheduled before the step in flight reaches the host:
+        not when sampling reads the output so far (penalties) or when decoding may have to
+        retract a request (both need every token on the host)."""
+        if not self.overlap:
+            return False
+        if any(r.sampling_params.has_penalties for r in self.running):
+            return False
+        return self.free_kv_tokens() >= self.worker.decode_kv_need_per_req() * len(self.running)
+
+    def finish_in_flight(self) -> None:
+        if self.in_flight is not None:
+            step, self.in_flight = self.in_flight, None
+            self.process(*step)
 
     def recv_requests(self, block: bool) -> list:
         """Drain the entry rank's socket (waiting briefly when there is nothing to do)."""
@@ -203,6 +231,7 @@ class Scheduler:
         elif isinstance(msg, AbortReq):
             self.abort_request(msg.rid)
         elif isinstance(msg, FlushCacheReq):
+            self.finish_in_flight()
             self.reply(FlushCacheReqOutput(self.flush_cache()))
         elif isinstance(msg, GetInternalStateReq):
             self.reply(GetInternalStateReqOutput(self.internal_state()))
@@ -296,7 +325,15 @@ class Scheduler:
         need = self.worker.decode_kv_need_per_req()
         while self.free_kv_tokens() < need * len(self.running) and len(self.running) > 1:
             self.retract(self.running[-1])
-        return ScheduleBatch.for_decode(list(self.running))
+        # A request whose token in flight is its last needs no further step.
+        reqs = [r for r in self.running if not (r.in_flight and self.ends_by_length(r))]
+        if not reqs:
+            return None
+        return ScheduleBatch.for_decode(reqs, self.in_flight[1].future_tokens() if self.in_flight else None)
+
+    def ends_by_length(self, req: Req) -> bool:
+        """Whether the request is done once its tokens in flight arrive, whatever they are."""
+        return len(req.output_ids) + req.in_flight >= req.sampling_params.max_new_tokens or req.full_len >= self.context_len
 
     def retract(self, req: Req) -> None:
         """Out of KV for decoding: send the newest request back to the queue (it re-prefills)."""
@@ -307,27 +344,44 @@ class Scheduler:
         self.waiting.insert(0, req)
 
     # ------------------------------------------------------------------ run
-    def run_and_process(self, batch: ScheduleBatch, plan: Optional[GlobalPlan] = None) -> None:
+    def launch(self, batch: ScheduleBatch, plan: Optional[GlobalPlan]) -> LaunchedStep:
+        """Queue the batch's forward; its KV positions count at once, its tokens are in flight."""
         self.forward_started_at = time.monotonic()
         if self.spec_worker is not None:
-            result = self.spec_worker.forward_batch_generation(batch, plan)
+            step = LaunchedStep(self.spec_worker.forward_batch_generation(batch, plan))
             if plan is not None and self.server_args.debug_collectives:
                 self.check_sub_forwards(plan)
         else:
-            result = self.worker.forward_batch_generation(batch)
+            step = self.worker.launch(batch)
         self.forward_started_at = None
-        for i, req in enumerate(batch.reqs):
-            req.kv_len += result.kv_written[i]
-            self.append_tokens(req, result, i)
+        for req, written in zip(batch.reqs, step.result.kv_written):
+            req.kv_len += written
+        for i in step.sampled_rows:
+            batch.reqs[i].in_flight += 1
+        return step
+
+    def process(self, batch: ScheduleBatch, step: LaunchedStep) -> None:
+        """Wait for the step's tokens and hand them to their requests. A request that finished
+        (or was aborted) while the step ran drops its token."""
+        self.forward_started_at = time.monotonic()
+        result = step.resolve()
+        self.forward_started_at = None
+        for i in step.sampled_rows:
+            batch.reqs[i].in_flight -= 1
+        live = [i for i, r in enumerate(batch.reqs) if not r.finished]
+        for i in live:
+            self.append_tokens(batch.reqs[i], result, i)
         if batch.mode == ForwardMode.EXTEND:
             self.log_prefill(batch)
             self.running += [r for r in batch.reqs if r.output_ids and r is not self.chunked_req and not r.finished and r not in self.running]
         elif batch.mode == ForwardMode.DECODE:
             self.log_decode(batch, result)
-        for req in batch.reqs:
-            if req.finished:
-                self.finish(req)
-        self.stream_output([r for r in batch.reqs if r.finished or (r.stream and r is not self.chunked_req)])
+        for i in live:
+            if batch.reqs[i].finished:
+                self.finish(batch.reqs[i])
+        self.stream_output(
+            [batch.reqs[i] for i in live if batch.reqs[i].finished or (batch.reqs[i].stream and result.next_token_ids[i])]
+        )
 
     def check_sub_forwards(self, plan: GlobalPlan) -> None:
         """--debug-collectives: the speculative sub-forwards this rank ran are exactly the planned
@@ -366,9 +420,10 @@ class Scheduler:
             req.spec_verify_ct += 1
             self.spec_tokens_since_log += result.accepted_draft_tokens[i] + 1
             self.spec_steps_since_log += 1
-        # Only tokens before the newest one have KV; drop KV of tokens cut by a stop.
+        # Only tokens before the newest one have KV (and the tokens in flight, whose forward
+        # is queued); drop KV of tokens cut by a stop.
         if req.output_ids:
-            self.kv.truncate(req, req.seq_len - 1)
+            self.kv.truncate(req, req.full_len - 1)
 
     def finish(self, req: Req) -> None:
         if req in self.running:

@@ -15,12 +15,12 @@ import torch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.schedule_batch import FutureTokens, Req, ScheduleBatch
 from sglang.srt.mem_cache.req_kv import ReqKVManager
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
-from sglang.srt.utils.transfer import to_host, upload
+from sglang.srt.utils.transfer import HostCopy, upload
 
 
 @dataclass
@@ -34,6 +34,57 @@ class GenerationResult:
     top_logprobs: list[list[list[tuple[float, int]]]] = field(default_factory=list)
     # Draft tokens accepted this step per request (speculative workers only).
     accepted_draft_tokens: Optional[list[int]] = None
+
+
+@dataclass
+class SampledRows:
+    """One token sampled on the device for each of `rows` (ascending) of a batch, on its way
+    to the host."""
+
+    reqs: list[Req]
+    rows: list[int]
+    out: SampleOutput
+    copy: HostCopy
+    want_logprobs: bool
+
+    def fill(self, result: GenerationResult) -> None:
+        """Wait for the values and put them into result's rows."""
+        ids, *extra = self.copy.lists()
+        if self.want_logprobs:
+            result.logprobs = [[] for _ in self.reqs]
+            result.top_logprobs = [[] for _ in self.reqs]
+            lp, tops = extra[0], extra[1:]  # tops: [values, ids] or []
+            for j, i in enumerate(self.rows):
+                result.logprobs[i].append((lp[j], ids[j]))
+                if tops and self.reqs[i].top_logprobs_num:
+                    k = self.reqs[i].top_logprobs_num
+                    result.top_logprobs[i].append(list(zip(tops[0][j][:k], tops[1][j][:k])))
+        for j, i in enumerate(self.rows):
+            result.next_token_ids[i] = [ids[j]]
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device. Its KV positions are known at once; its tokens once
+    `resolve()` has waited for them."""
+
+    result: GenerationResult
+    sampled: Optional[SampledRows] = None
+
+    @property
+    def sampled_rows(self) -> list[int]:
+        return self.sampled.rows if self.sampled else []
+
+    def future_tokens(self) -> FutureTokens:
+        """The sampled tokens, still on the device, for the next step to feed."""
+        rids = [self.sampled.reqs[i].rid for i in self.sampled.rows] if self.sampled else []
+        ids = self.sampled.out.next_token_ids if self.sampled else None
+        return FutureTokens(ids, {rid: j for j, rid in enumerate(rids)})
+
+    def resolve(self) -> GenerationResult:
+        if self.sampled is not None:
+            self.sampled.fill(self.result)
+        return self.result
 
 
 class TpModelWorker:
@@ -57,43 +108,40 @@ class TpModelWorker:
         self.generators.pop(req.rid, None)
 
     def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationResult:
+        return self.launch(batch).resolve()
+
+    def launch(self, batch: ScheduleBatch) -> LaunchedStep:
+        """Queue the forward and the sampling without waiting for the device."""
         if batch.mode == ForwardMode.DECODE:
             batch.out_cache_loc = self.kv.assign(batch.reqs, [1] * len(batch.reqs))
         output = self.runner.forward(batch.to_forward_batch(self.device))
         if batch.mode == ForwardMode.IDLE:
-            return GenerationResult([], [])
+            return LaunchedStep(GenerationResult([], []))
         # Requests whose whole sequence now has KV get a token; a chunked prefill does not.
-        ready = [i for i, r in enumerate(batch.reqs) if r.kv_len + batch.extend_lens[i] == r.seq_len]
-        result = GenerationResult([[] for _ in batch.reqs], list(batch.extend_lens))
+        ready = [i for i, r in enumerate(batch.reqs) if r.kv_len + batch.extend_lens[i] == r.full_len]
+        step = LaunchedStep(GenerationResult([[] for _ in batch.reqs], list(batch.extend_lens)))
         if ready:
-            self.sample_rows(batch.reqs, ready, output, result)
-        return result
+            step.sampled = self.launch_sampling(batch.reqs, ready, output)
+        return step
 
     def sample_rows(
         self, reqs: list[Req], rows: list[int], output: LogitsProcessorOutput, result: GenerationResult
     ) -> SampleOutput:
         """Sample one token for reqs[i] from logits row i, for i in rows (ascending), into
-        result. The sampled values reach the host through one read."""
-        chosen = [reqs[i] for i in rows]
+        result (waiting for the values)."""
+        sampled = self.launch_sampling(reqs, rows, output)
+        sampled.fill(result)
+        return sampled.out
+
+    def launch_sampling(self, reqs: list[Req], rows: list[int], output: LogitsProcessorOutput) -> SampledRows:
+        """Sample reqs[i] from logits row i, for i in rows; the values start their way to the host."""
         logits = output.next_token_logits
         if len(rows) < logits.shape[0]:  # else rows are all rows, in order
             logits = logits[upload([rows], self.device)[0]]
-        out = self.sample(chosen, logits)
+        out = self.sample([reqs[i] for i in rows], logits)
         want_logprobs = any(r.return_logprob for r in reqs)
         extra = (out.logprobs, *(out.top_logprobs or ())) if want_logprobs else ()
-        ids, *extra_lists = to_host(out.next_token_ids, *extra)
-        if want_logprobs:
-            result.logprobs = [[] for _ in reqs]
-            result.top_logprobs = [[] for _ in reqs]
-            lp, tops = extra_lists[0], extra_lists[1:]  # tops: [values, ids] or []
-            for j, i in enumerate(rows):
-                result.logprobs[i].append((lp[j], ids[j]))
-                if tops and reqs[i].top_logprobs_num:
-                    k = reqs[i].top_logprobs_num
-                    result.top_logprobs[i].append(list(zip(tops[0][j][:k], tops[1][j][:k])))
-        for j, i in enumerate(rows):
-            result.next_token_ids[i] = [ids[j]]
-        return out
+        return SampledRows(reqs, rows, out, HostCopy(out.next_token_ids, *extra), want_logprobs)
 
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> SampleOutput:
         info = SamplingBatchInfo.from_requests(

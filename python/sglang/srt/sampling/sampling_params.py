@@ -51,6 +51,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the tokens generated so far."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+
     def verify(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first invalid field."""
         _check_type("max_new_tokens", self.max_new_tokens, int)

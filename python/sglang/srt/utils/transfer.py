@@ -38,10 +38,25 @@ def upload(
     return list(to_device(host, device).split_with_sizes([len(v) for v in values]))
 
 
+class HostCopy:
+    """Device tensors on their way into pinned host memory: queued without waiting, so the
+    host can go on (e.g. schedule the next step); `lists()` waits once for all of them."""
+
+    def __init__(self, *tensors: torch.Tensor):
+        self._done: torch.cuda.Event | None = None
+        if any(t.is_cuda for t in tensors):
+            tensors = tuple(t.to("cpu", non_blocking=True) for t in tensors)  # into pinned memory
+            self._done = torch.cuda.Event()
+            self._done.record()
+        self._tensors = tensors
+
+    def lists(self) -> list:
+        """The values as (nested) lists."""
+        if self._done is not None:
+            self._done.synchronize()
+        return [t.tolist() for t in self._tensors]
+
+
 def to_host(*tensors: torch.Tensor) -> list:
     """The tensors' values as (nested) lists, waiting for the device once for all of them."""
-    cuda = [t for t in tensors if t.is_cuda]
-    if cuda:
-        tensors = tuple(t.to("cpu", non_blocking=True) for t in tensors)  # into pinned memory
-        torch.cuda.current_stream(cuda[0].device).synchronize()
-    return [t.tolist() for t in tensors]
+    return HostCopy(*tensors).lists()

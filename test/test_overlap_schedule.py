@@ -1,0 +1,120 @@
+"""Overlap scheduling: the next step is queued before this step's tokens reach the host, and
+nothing a user sees changes (in-process scheduler, tiny random Llama, CPU, float32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.managers.tp_worker import LaunchedStep
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
+from sglang.test.inprocess_scheduler import start_scheduler
+
+PROMPTS = [[5, 17, 42, 99, 7], [8, 9, 10], [100, 101, 102, 103], [5, 17, 42, 60]]
+
+
+def _scheduler(path: str, overlap: bool, **kw) -> Scheduler:
+    kw = {"max_total_tokens": 512, **kw}
+    args = ServerArgs(model_path=path, device="cpu", dtype="float32", disable_overlap_schedule=not overlap, **kw)
+    return start_scheduler(args)
+
+
+def _run(scheduler: Scheduler, params: list[SamplingParams], abort_after: dict[str, int] | None = None) -> dict[str, list[int]]:
+    """Final output ids per request; abort_after[rid] = iteration at which rid is aborted."""
+    for i, p in enumerate(params):
+        scheduler.handle_message(TokenizedGenerateReqInput(f"r{i}", None, PROMPTS[i % len(PROMPTS)], p))
+    finished = scheduler.send_to_detokenizer.finished
+    for it in range(500):
+        for rid, at in (abort_after or {}).items():
+            if it == at:
+                scheduler.handle_message(AbortReq(rid))
+        scheduler.run_iteration()
+        if len(finished) == len(params) and not (scheduler.running or scheduler.waiting or scheduler.in_flight):
+            return dict(finished)
+    raise AssertionError("requests did not finish")
+
+
+def _assert_all_kv_free(scheduler: Scheduler) -> None:
+    assert scheduler.free_kv_tokens() == scheduler.allocator.size
+    assert scheduler.req_to_token_pool.available_size() == scheduler.max_running_requests
+
+
+def test_next_step_is_queued_before_the_tokens_of_this_one_are_read(tiny_llama_dir, monkeypatch):
+    scheduler = _scheduler(tiny_llama_dir, overlap=True)
+    events: list[str] = []
+    launch, resolve = scheduler.worker.launch, LaunchedStep.resolve
+
+    def traced_launch(batch):
+        step = launch(batch)
+        step.number = sum(e.startswith("launch") for e in events)
+        events.append(f"launch {step.number} {batch.mode.name} futures={len(batch.future_dst)}")
+        return step
+
+    def traced_resolve(step):
+        events.append(f"resolve {step.number}")
+        return resolve(step)
+
+    monkeypatch.setattr(scheduler.worker, "launch", traced_launch)
+    monkeypatch.setattr(LaunchedStep, "resolve", traced_resolve)
+    out = _run(scheduler, [SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)])
+    assert len(out["r0"]) == 6
+    # Prefill (samples token 1), then decode steps 1..5, the last queued before token 5 arrives
+    # and dropped: it is never launched because token 6 ends the request by length.
+    assert events == [
+        "launch 0 EXTEND futures=0",
+        "resolve 0",  # no other work: the prefill's token is needed to decode
+        "launch 1 DECODE futures=0",
+        "launch 2 DECODE futures=1",
+        "resolve 1",
+        "launch 3 DECODE futures=1",
+        "resolve 2",
+        "launch 4 DECODE futures=1",
+        "resolve 3",
+        "launch 5 DECODE futures=1",
+        "resolve 4",
+        "resolve 5",
+    ]
+    _assert_all_kv_free(scheduler)
+
+
+def _mixed_params(stop_token: int) -> list[SamplingParams]:
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    return [
+        SamplingParams(max_new_tokens=9, stop_token_ids=[stop_token], **greedy),  # stops early
+        SamplingParams(max_new_tokens=1, **greedy),
+        SamplingParams(max_new_tokens=7, temperature=0.9, top_p=0.9, sampling_seed=3, ignore_eos=True),
+        SamplingParams(max_new_tokens=5, **greedy),
+        SamplingParams(max_new_tokens=8, frequency_penalty=0.5, **greedy),  # reads its output: no overlap
+    ]
+
+
+def test_outputs_match_sequential_scheduling(tiny_llama_dir):
+    sequential = _scheduler(tiny_llama_dir, overlap=False)
+    plain = _run(sequential, [SamplingParams(max_new_tokens=9, temperature=0.0, ignore_eos=True)])["r0"]
+    stop_token = next(t for j, t in enumerate(plain) if j >= 2 and t not in plain[:j])
+    expected = _run(sequential, _mixed_params(stop_token))
+    assert expected["r0"] == plain[: plain.index(stop_token) + 1]
+    overlapped = _scheduler(tiny_llama_dir, overlap=True)
+    assert _run(overlapped, _mixed_params(stop_token)) == expected
+    _assert_all_kv_free(overlapped)
+
+
+@pytest.mark.parametrize("engine_args", [{"chunked_prefill_size": 4}, {"max_total_tokens": 40, "max_running_requests": 4}])
+def test_chunked_prefill_and_retraction_match_sequential(tiny_llama_dir, engine_args):
+    params = [SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True) for _ in range(4)]
+    expected = _run(_scheduler(tiny_llama_dir, overlap=False, **engine_args), params)
+    overlapped = _scheduler(tiny_llama_dir, overlap=True, **engine_args)
+    assert _run(overlapped, params) == expected
+    _assert_all_kv_free(overlapped)
+
+
+def test_abort_while_a_step_is_in_flight(tiny_llama_dir):
+    params = [SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True) for _ in range(2)]
+    expected = _run(_scheduler(tiny_llama_dir, overlap=False), params)
+    overlapped = _scheduler(tiny_llama_dir, overlap=True)
+    out = _run(overlapped, params, abort_after={"r1": 4})
+    assert out["r0"] == expected["r0"]
+    assert out["r1"] == expected["r1"][: len(out["r1"])] and len(out["r1"]) < 12
+    _assert_all_kv_free(overlapped)
