@@ -1,13 +1,15 @@
-"""Fused Triton element-wise kernels (RMSNorm, SiLU-and-mul, RoPE) vs the layers' plain-PyTorch path.
+"""Fused Triton kernels vs their plain-PyTorch paths: the element-wise layers (RMSNorm,
+SiLU-and-mul, RoPE), the KV-cache store and the greedy argmax (step_ops).
 
-The reference is each layer's `forward_native` on CPU; the kernel is its `forward_triton`
-on DEVICE, reached through the layer's own dispatch on CUDA (compiled, fp32 and bf16) and
-called directly under Triton's CPU interpreter (float32, small shapes, in a subprocess as
-in test_triton_kernels). Without triton the module is skipped.
+The reference is the plain path on CPU (a layer's `forward_native`, the CPU pool's index_put,
+torch.argmax); the kernel runs on DEVICE, reached through the caller's own dispatch on CUDA
+(compiled, fp32 and bf16) and called directly under Triton's CPU interpreter (float32 math,
+small shapes, in a subprocess as in test_triton_kernels). Without triton the module is skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from unittest import mock
 
@@ -19,6 +21,10 @@ from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.deepseek_rotary import DeepseekScalingRotaryEmbedding
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.rotary_embedding import Llama3RotaryEmbedding, RotaryEmbedding
+from sglang.srt.layers.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo
+from sglang.srt.layers.step_ops import argmax, store_kv
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.sampling.sampling_params import SamplingParams
 
 DEVICE = "cuda" if ON_CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if ON_CUDA else [torch.float32]
@@ -136,3 +142,162 @@ def test_rotary_embedding(case, tokens, dtype):
         max_pos = 100_000 if isinstance(layer, DeepseekScalingRotaryEmbedding) else 4096
         positions = torch.randint(0, max_pos, (tokens,), generator=torch.Generator().manual_seed(tokens))
         _compare(layer, positions, q, k)
+
+
+# ---------------------------------------------------------------------- KV-cache store
+
+# (heads, k head dim, v head dim, v with a non-unit last stride): Llama-8B's 8 x 128, an odd
+# head count, v narrower than k (a transposed view, which save_kv never passes but the kernel
+# takes), and 12 wide heads, which two programs per token share (8 + 4 masked).
+KV_CASES = [(8, 128, 128, False), (3, 64, 64, False), (2, 96, 64, True), (12, 256, 128, False)]
+KV_TOKENS = [0, 1, 5] + ([300] if ON_CUDA else [])
+# (k/v dtype, pool dtype). The interpreter rounds float32 -> bf16 by truncation, so that cast only on CUDA.
+KV_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)]
+if ON_CUDA:
+    KV_DTYPES += [(torch.float32, torch.bfloat16), (torch.float16, torch.bfloat16)]
+
+
+def _store(pool: MHATokenToKVPool, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The kernel: through the pool's dispatch on CUDA, called directly when interpreted."""
+    if not ON_CUDA:
+        return store_kv(pool.k_buffer[layer], pool.v_buffer[layer], loc, k, v)
+    index_put = mock.patch.object(torch.Tensor, "__setitem__", side_effect=AssertionError("CUDA pool took index_put"))
+    with index_put:
+        pool.set_kv_buffer(layer, loc, k, v)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtypes", KV_DTYPES)
+@pytest.mark.parametrize("tokens", KV_TOKENS)
+@pytest.mark.parametrize("case", KV_CASES)
+def test_store_kv(case, tokens, dtypes):
+    heads, k_dim, v_dim, v_transposed = case
+    src_dtype, pool_dtype = dtypes
+    size = 2 * tokens + 3
+    # k as save_kv passes it: heads of a column slice of a fused qkv projection.
+    qkv = _randn(tokens, (2 * heads) * k_dim + heads * v_dim, dtype=src_dtype, seed=tokens)
+    k = qkv[:, heads * k_dim : 2 * heads * k_dim].view(-1, heads, k_dim)
+    if v_transposed:
+        v = _randn(tokens, v_dim, heads, dtype=src_dtype, seed=tokens + 1).transpose(1, 2)
+    else:
+        v = qkv[:, 2 * heads * k_dim :].view(-1, heads, v_dim)
+    # Distinct random slots, the dummy slot 0 (padded rows) among the candidates.
+    loc = torch.randperm(size + 1, generator=torch.Generator().manual_seed(tokens))[:tokens]
+    ref, got = (MHATokenToKVPool(size, pool_dtype, heads, k_dim, 2, dev, v_head_dim=v_dim) for dev in ("cpu", DEVICE))
+    ref.set_kv_buffer(1, loc, k, v)
+    _store(got, 1, loc.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+    for name in ("k_buffer", "v_buffer"):
+        for layer in range(2):  # layer 0 stays untouched
+            assert torch.equal(getattr(got, name)[layer].cpu(), getattr(ref, name)[layer]), (name, layer)
+    if tokens:
+        assert ref.k_buffer[1][loc].abs().sum() > 0 and ref.v_buffer[1][loc].abs().sum() > 0
+
+
+# ---------------------------------------------------------------------- greedy argmax
+
+ARGMAX_ROWS = [0, 1, 3, 64]
+# One block (1024 columns), one column over it, and block counts that do not divide the width.
+ARGMAX_VOCABS = [1, 7, 1024, 1025, 3000]
+if ON_CUDA:
+    ARGMAX_VOCABS += [32000, 49152, 128256, 151936, 256000]
+ARGMAX_DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if ON_CUDA else [])
+
+
+def _check_argmax(x: torch.Tensor) -> None:
+    """argmax on DEVICE vs torch.argmax on CPU: the same column for every row."""
+    got = argmax(x.to(DEVICE))
+    assert got.dtype == torch.int64 and got.shape == x.shape[:1]
+    ref = torch.argmax(x, dim=-1)
+    wrong = [(row, g, r) for row, (g, r) in enumerate(zip(got.tolist(), ref.tolist())) if g != r]
+    assert not wrong, wrong  # (row, got, torch's)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", ARGMAX_DTYPES)
+@pytest.mark.parametrize("vocab", ARGMAX_VOCABS)
+@pytest.mark.parametrize("rows", ARGMAX_ROWS)
+def test_argmax(rows, vocab, dtype):
+    gen = torch.Generator().manual_seed(rows * 7 + vocab)
+    x = _randn(rows, vocab, dtype=dtype, seed=vocab, pad=5, scale=4.0)  # a row-strided view
+    # Ties: each row's maximum (odd rows: a new, larger one) set at 3 random columns, which
+    # fall in different blocks of the wide rows.
+    for r in range(rows):
+        x[r, torch.randint(0, vocab, (3,), generator=gen)] = x[r].max() + (r % 2)
+    _check_argmax(x)
+
+
+def _edge_rows(vocab: int) -> torch.Tensor:
+    """Rows where the order of equal values, signed zeros, infinities, NaN and subnormals decide."""
+    inf, nan, last = float("inf"), float("nan"), vocab - 1
+    rows = torch.full((10, vocab), -1.0)
+    rows[0] = 0.0  # all equal: column 0
+    rows[1] = -inf  # all -inf: column 0
+    rows[2, last] = 0.0
+    rows[2, last // 2] = -0.0  # -0.0 ties with the later +0.0
+    rows[3, last // 3] = inf
+    rows[3, last] = inf
+    rows[4, last] = nan  # NaN above everything, even an earlier +inf
+    rows[4, 0] = inf
+    rows[5, last // 2 :] = nan  # the first NaN
+    rows[6] = -inf
+    rows[6, last] = -3.0e38
+    rows[7] = torch.arange(vocab, 0, -1, dtype=torch.float32) * -1.0  # increasing: the last column
+    rows[8] = -rows[7]  # decreasing: the first column
+    rows[9] = 1.0e-40  # subnormal values
+    rows[9, last] = 2.0e-40
+    return rows
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", ARGMAX_DTYPES)
+@pytest.mark.parametrize("vocab", ARGMAX_VOCABS)
+def test_argmax_edge_values(vocab, dtype):
+    rows = _edge_rows(vocab).to(dtype)
+    if dtype == torch.bfloat16 and not ON_CUDA:
+        rows = rows[:-1]  # the interpreter flushes bf16 subnormals when converting to float32
+    _check_argmax(rows)
+
+
+@kernel_test
+@pytest.mark.parametrize("detect_nan", [False, True])
+def test_greedy_sampler_uses_the_kernel(detect_nan):
+    """The greedy path on CUDA never calls torch.argmax and keeps its answers: NaN rows give
+    the first NaN's column, or NAN_TOKEN_ID under --enable-nan-detection."""
+    logits = _edge_rows(3000)
+    info = SamplingBatchInfo.from_requests(
+        [SamplingParams(temperature=0)] * len(logits), [([0], [])] * len(logits), [None] * len(logits), 3000, DEVICE
+    )
+    ref = torch.argmax(logits, dim=-1)
+    if detect_nan:
+        ref = torch.where(torch.isfinite(logits).all(dim=-1), ref, NAN_TOKEN_ID)
+    no_torch_argmax = mock.patch("torch.argmax", side_effect=AssertionError("CUDA logits took torch.argmax"))
+    with no_torch_argmax if ON_CUDA else contextlib.nullcontext():
+        got = Sampler(detect_nan)(logits.to(DEVICE), info).next_token_ids
+    assert torch.equal(got.cpu(), ref)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs need CUDA")
+def test_step_ops_replay_in_cuda_graph():
+    """Both kernels capture (no host reads) and a replay follows the static inputs' new values."""
+    heads, dim, tokens, slots, vocab = 8, 128, 4, 32, 128256
+    k_buf, v_buf = (torch.zeros(slots, heads, dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    k, v = (torch.randn(tokens, heads, dim, device="cuda") for _ in range(2))
+    loc = torch.arange(1, tokens + 1, device="cuda")
+    logits = torch.randn(tokens, vocab, device="cuda")
+    store_kv(k_buf, v_buf, loc, k, v)  # compile outside the capture
+    argmax(logits)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        store_kv(k_buf, v_buf, loc, k, v)
+        ids = argmax(logits)
+    for t in (k, v, logits):
+        t.normal_()
+    loc.copy_(torch.tensor([9, 3, 30, 17]))
+    k_buf.zero_()
+    v_buf.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(ids, torch.argmax(logits, dim=-1))
+    assert torch.equal(k_buf[loc], k.to(torch.bfloat16)) and torch.equal(v_buf[loc], v.to(torch.bfloat16))
+    assert k_buf.float().abs().sum() == k_buf[loc].float().abs().sum()  # nothing written elsewhere

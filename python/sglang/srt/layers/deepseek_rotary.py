@@ -1,7 +1,10 @@
-"""YaRN rotary embedding as DeepSeek-V2/V3 configure it (mscale / mscale_all_dim).
+"""YaRN rotary embedding as DeepSeek-V2/V3 configure it (mscale / mscale_all_dim), and the
+MLA step that writes the rotated rope channels into the buffers attention reads.
 
-cos/sin are computed from the positions on the fly (an outer product with inv_freq), so the
-module has no maximum position and no per-device cache to keep in sync.
+Like every RotaryEmbedding, the module keeps one float32 cos|sin table, here over the scaled
+context (original max position x factor, as SGLang / vLLM size it); the table is unscaled and
+mscale multiplies at rotation time. Rows are float(position) * inv_freq exactly as an on-the-fly
+outer product computes them, so a lookup changes no value; positions must lie inside the table.
 """
 
 from __future__ import annotations
@@ -9,9 +12,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
-from sglang.srt.layers.rotary_embedding import as_heads
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding, as_heads
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
@@ -47,12 +49,13 @@ def yarn_inv_freq(
     return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
 
 
-class DeepseekScalingRotaryEmbedding(nn.Module):
+class DeepseekScalingRotaryEmbedding(RotaryEmbedding):
     """Rotary embedding with DeepSeek's YaRN scaling.
 
     `max_position_embeddings` is the *original* (pre-scaling) context length, which sets the
-    YaRN correction range. The rotation of the first `rotary_dim` channels of every head is
-    multiplied by mscale(factor, mscale) / mscale(factor, mscale_all_dim) * attn_factor.
+    YaRN correction range; the table covers that times `scaling_factor` positions. The rotation
+    of the first `rotary_dim` channels of every head is multiplied by
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) * attn_factor.
     is_neox_style=False rotates interleaved pairs (x0, x1), (x2, x3), ... as DeepSeek does.
     """
 
@@ -73,27 +76,43 @@ class DeepseekScalingRotaryEmbedding(nn.Module):
         mscale: float = 1.0,
         mscale_all_dim: float = 0.0,
     ):
-        super().__init__()
-        self.head_size = head_size
-        self.rotary_dim = rotary_dim
-        self.is_neox_style = is_neox_style
+        self.scaling_factor = scaling_factor
+        self.original_max_position = max_position_embeddings
+        self.extrapolation_factor = extrapolation_factor
+        self.beta_fast, self.beta_slow = beta_fast, beta_slow
         self.mscale = (
             yarn_get_mscale(scaling_factor, mscale) / yarn_get_mscale(scaling_factor, mscale_all_dim) * attn_factor
         )
-        inv_freq = yarn_inv_freq(
-            rotary_dim, base, scaling_factor, max_position_embeddings, beta_fast, beta_slow, extrapolation_factor
+        table_len = int(max_position_embeddings * scaling_factor)
+        super().__init__(head_size, rotary_dim, table_len, base, is_neox_style, dtype)
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        return yarn_inv_freq(
+            self.rotary_dim, self.base, self.scaling_factor, self.original_max_position,
+            self.beta_fast, self.beta_slow, self.extrapolation_factor,
         )
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def _freqs(self, positions: torch.Tensor) -> torch.Tensor:
-        """[T, rotary_dim // 2] float32 angles (integer positions promote to float32 in the product)."""
-        return positions[:, None] * self.inv_freq.to(positions.device, torch.float32)[None, :]
+    def forward_triton(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel: table rows by position, times mscale, rotate q and k in float32."""
+        from sglang.srt.layers.fused_ops import rotary_embedding  # triton ships with CUDA builds of torch
 
-    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = self._freqs(positions)
-        return freqs.cos() * self.mscale, freqs.sin() * self.mscale
+        cos, sin = self.cos_sin_cache.chunk(2, dim=-1)
+        return rotary_embedding(
+            positions.flatten(), query, key, cos, sin, self.head_size, self.rotary_dim, self.is_neox_style, self.mscale
+        )
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward_native(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates in float32 and rounds once (RotaryEmbedding rounds cos/sin to the input dtype)."""
+        cos, sin = (self.cos_sin_cache.index_select(0, positions.flatten()) * self.mscale)[:, None, :].chunk(2, dim=-1)
+        q = self._rotate_float32(as_heads(query, self.head_size), cos, sin)
+        k = self._rotate_float32(as_heads(key, self.head_size), cos, sin)
+        return q.view(query.shape), k.view(key.shape)
+
+    def _rotate_float32(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, head_size]; cos/sin: [T, 1, rotary_dim // 2]
         rot = x[..., : self.rotary_dim].float()
         if self.is_neox_style:
@@ -106,28 +125,29 @@ class DeepseekScalingRotaryEmbedding(nn.Module):
             return out.to(x.dtype)
         return torch.cat((out.to(x.dtype), x[..., self.rotary_dim :]), dim=-1)
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """query/key: [T, heads * head_size] or [T, heads, head_size]; returns the same shapes."""
-        return (self.forward_triton if query.is_cuda else self.forward_native)(positions, query, key)
 
-    def forward_triton(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of the angles in torch (accurate range reduction), then one kernel rotates q and k."""
-        from sglang.srt.layers.fused_ops import rotary_embedding  # triton ships with CUDA builds of torch
+def mla_rope_pack(
+    rope: RotaryEmbedding,
+    positions: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    latent: torch.Tensor,
+    q_out: torch.Tensor,
+) -> torch.Tensor:
+    """MLA's attention inputs from one rope step.
 
-        freqs = self._freqs(positions.flatten())
-        return rotary_embedding(
-            None, query, key, freqs.cos(), freqs.sin(), self.head_size, self.rotary_dim, self.is_neox_style, self.mscale
-        )
+    q_pe [T, H, R], k_pe [T, R] (column slices are fine), latent [T, L], q_out [T, H, L + R]
+    whose first L channels the caller fills. Writes rope(q_pe) into q_out[..., L:] and
+    returns k = latent ‖ rope(k_pe) [T, L + R], what the MLA pool stores. On CUDA one kernel
+    (same values as the rope module's forward_triton); otherwise the module's forward_native.
+    """
+    latent_dim, rot = latent.shape[-1], q_pe.shape[-1]
+    assert rope.rotary_dim == rope.head_size == rot and q_out.shape[-1] == latent_dim + rot
+    if q_pe.is_cuda:
+        from sglang.srt.layers.mla_triton import mla_rope_pack_triton  # triton ships with CUDA builds of torch
 
-    def forward_native(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self._cos_sin(positions.flatten())
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = self._rotate(as_heads(query, self.head_size), cos, sin)
-        k = self._rotate(as_heads(key, self.head_size), cos, sin)
-        return q.view(query.shape), k.view(key.shape)
+        scale = rope.mscale if isinstance(rope, DeepseekScalingRotaryEmbedding) else 1.0
+        return mla_rope_pack_triton(positions, q_pe, k_pe, latent, q_out, rope.cos_sin_cache, scale, rope.is_neox_style)
+    q_rot, k_rot = rope.forward_native(positions, q_pe, k_pe.unsqueeze(1))
+    q_out[..., latent_dim:] = q_rot
+    return torch.cat([latent, k_rot.squeeze(1)], dim=-1)

@@ -65,7 +65,7 @@ class SamplingBatchInfo:
             )
             info.temperatures, info.top_ps, info.min_ps = temps.view(-1, 1), top_ps, min_ps
             info.top_ks = top_ks_f.long()
-        if any(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0 for p in params):
+        if any(p.has_penalties for p in params):
             info._init_penalties(params, token_histories, vocab_size, device)
         return info
 
@@ -123,7 +123,7 @@ class Sampler:
             bad_rows = ~torch.isfinite(logits).all(dim=-1)
             logits = logits.masked_fill(bad_rows.view(-1, 1), 0.0)  # keeps sampling valid; the row is discarded
         if info.all_greedy:
-            next_ids = torch.argmax(logits, dim=-1)
+            next_ids = _greedy(logits)
         else:
             probs = self.filtered_probs(logits, info)
             next_ids = self._draw(probs, info.generators)
@@ -157,6 +157,16 @@ class Sampler:
             if g is not None:
                 out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
         return out
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1): first maximum, NaN counted as the maximum (a NaN row is
+    only reported as NAN_TOKEN_ID under detect_nan, which zeroes it first)."""
+    if not logits.is_cuda:
+        return torch.argmax(logits, dim=-1)
+    from sglang.srt.layers.step_ops import argmax  # triton ships with CUDA builds of torch
+
+    return argmax(logits)  # one or two short launches where torch's single-block reduction takes 27 us
 
 
 def _top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:

@@ -133,8 +133,15 @@ class MHATokenToKVPool(KVPool):
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        """k_buffer[layer_id][loc] = k, v_buffer[layer_id][loc] = v (k [T, H, D], v [T, H, Dv], any strides)."""
+        k_buf, v_buf = self.k_buffer[layer_id], self.v_buffer[layer_id]
+        if k_buf.is_cuda:
+            from sglang.srt.layers.step_ops import store_kv  # triton ships with CUDA builds of torch
+
+            store_kv(k_buf, v_buf, loc, k, v)  # one launch instead of two index_puts
+        else:
+            k_buf[loc] = k.to(self.dtype)
+            v_buf[loc] = v.to(self.dtype)
 
 
 class MLATokenToKVPool(KVPool):

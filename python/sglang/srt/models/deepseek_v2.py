@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 
 from sglang.srt.distributed.parallel_state import get_attn_tp, tensor_model_parallel_all_reduce
 from sglang.srt.layers.activation import SiluAndMul
-from sglang.srt.layers.deepseek_rotary import yarn_get_mscale
+from sglang.srt.layers.deepseek_rotary import mla_rope_pack, yarn_get_mscale
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
@@ -96,7 +96,8 @@ class DeepseekV2MLP(nn.Module):
 
 class MoEGate(nn.Module):
     """Router logits in float32; V3 adds a per-expert bias used only for expert choice.
-    The weight is kept in float32 (cast once at load, not at every forward)."""
+    The weight is kept in float32 (cast once at load, not at every forward); on CUDA the
+    input is cast in registers (router_logits), not copied."""
 
     def __init__(self, config: PretrainedConfig, with_correction_bias: bool):
         super().__init__()
@@ -111,6 +112,10 @@ class MoEGate(nn.Module):
             self.register_parameter("e_score_correction_bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from sglang.srt.layers.moe.topk_triton import router_logits  # triton ships with CUDA builds of torch
+
+            return router_logits(x, self.weight)
         return torch.nn.functional.linear(x.float(), self.weight)
 
 
@@ -128,14 +133,52 @@ class DeepseekV2MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        shared = None if self.shared_experts is None else self.shared_experts(x)
+        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias, shared)  # routed + shared
         return tensor_model_parallel_all_reduce(out)
 
 
+def head_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out[t, h] = a[t, h] @ b[h] for a [T, H, K], b [H, K, N] and out [T, H, N] (views of
+    any strides); out is written in place, so it may be a channel slice of a wider tensor."""
+    if a.is_cuda:  # triton ships with CUDA builds of torch
+        from sglang.srt.layers.mla_triton import HEAD_MATMUL_MAX_TOKENS, head_matmul_triton
+
+        if a.shape[0] <= HEAD_MATMUL_MAX_TOKENS:
+            return head_matmul_triton(a, b, out)
+    torch.bmm(a.transpose(0, 1), b, out=out.transpose(0, 1))
+
+
+def stack_rows(layers: list[nn.Module]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(weight, bias) stacking the output rows of linear layers that read the same input, so
+    that one GEMM computes them all. Each layer's weight (and bias) becomes a view of its rows,
+    which its loader fills in place; a layer without a bias contributes zero rows.
+
+    Invariant: the stacked tensors and the layers' parameters share storage. Every loader
+    writes in place; re-assigning a parameter (e.g. `module.to`) would break the sharing, and
+    the stacked tensors, plain attributes, then stay behind on their device and fail loudly.
+    """
+    weight = torch.cat([layer.weight.data for layer in layers])
+    bias = None
+    if any(layer.bias is not None for layer in layers):
+        zeros = lambda layer: weight.new_zeros(layer.weight.shape[0])  # noqa: E731
+        bias = torch.cat([zeros(layer) if layer.bias is None else layer.bias.data for layer in layers])
+    start = 0
+    for layer in layers:
+        rows = slice(start, start + layer.weight.shape[0])
+        layer.weight.data = weight[rows]
+        if layer.bias is not None:
+            layer.bias.data = bias[rows]
+        start = rows.stop
+    return weight, bias
+
+
 class DeepseekV2Attention(nn.Module):
-    """MLA in the weight-absorbed form over the latent KV cache (layer `attn_layer_id` of the pool)."""
+    """MLA in the weight-absorbed form over the latent KV cache (layer `attn_layer_id` of the pool).
+
+    q_proj (or q_a_proj) and kv_a_proj_with_mqa keep their names and loaders, but their
+    weights are row views of q_kv_a_weight: one GEMM computes both (stack_rows).
+    """
 
     def __init__(self, config: PretrainedConfig, attn_layer_id: int):
         super().__init__()
@@ -164,6 +207,9 @@ class DeepseekV2Attention(nn.Module):
             self.kv_lora_rank, total_heads * (self.qk_nope_head_dim + self.v_head_dim), group=group
         )
         self.o_proj = RowParallelLinear(total_heads * self.v_head_dim, hidden, bias=bias, group=group)
+        q_in = self.q_a_proj if self.q_lora_rank else self.q_proj
+        self.q_in_size = q_in.weight.shape[0]
+        self.q_kv_a_weight, self.q_kv_a_bias = stack_rows([q_in, self.kv_a_proj_with_mqa])
         base, scaling = get_rope_params(config)
         self.rotary_emb = get_rope(
             self.qk_rope_head_dim,
@@ -189,22 +235,22 @@ class DeepseekV2Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        else:
-            q = self.q_proj(hidden_states)
+        q_in, latent, k_pe = torch.nn.functional.linear(hidden_states, self.q_kv_a_weight, self.q_kv_a_bias).split(
+            [self.q_in_size, self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+        )
+        q = self.q_b_proj(self.q_a_layernorm(q_in)) if self.q_lora_rank else q_in
         q = q.view(num_tokens, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)  # no -1: T may be 0
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
         w_uk, w_uv = self._absorbed_weights()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
-        q_full = torch.cat([q_latent, q_pe], dim=-1).flatten(1)
-        k_full = torch.cat([latent, k_pe.squeeze(1)], dim=-1)  # [T, L + R]: what the pool stores
-        o_latent = self.attn(q_full, k_full, k_full[:, : self.kv_lora_rank], forward_batch)
+        # q = (q_nope @ W_UK) ‖ rope(q_pe): the matmul and the rope step write their own channels.
+        q_full = q.new_empty((num_tokens, self.num_heads, self.kv_lora_rank + self.qk_rope_head_dim))
+        head_matmul(q_nope, w_uk, q_full[..., : self.kv_lora_rank])
+        k_full = mla_rope_pack(self.rotary_emb, positions, q_pe, k_pe, latent, q_full)  # [T, L + R], as pooled
+        o_latent = self.attn(q_full.flatten(1), k_full, k_full[:, : self.kv_lora_rank], forward_batch)
         o_latent = o_latent.view(num_tokens, self.num_heads, self.kv_lora_rank)
-        o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        o = o_latent.new_empty((num_tokens, self.num_heads, self.v_head_dim))
+        head_matmul(o_latent, w_uv.transpose(1, 2), o)  # [T, H, v]
         return self.o_proj(o.flatten(1))
 
 

@@ -22,10 +22,12 @@ def moe_forward_native(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    shared_output: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SiLU-gated experts; rows are sorted by expert and each expert runs one matmul.
 
-    hidden: [T, H]; topk_weights/topk_ids: [T, k]. Returns [T, H] in hidden's dtype.
+    hidden: [T, H]; topk_weights/topk_ids: [T, k]. Returns [T, H] in hidden's dtype, plus
+    shared_output [T, H] when given (added after the rounding to hidden's dtype).
     Works for T == 0. The per-expert row counts are read on the host (one sync).
     """
     num_tokens, top_k = topk_ids.shape
@@ -45,7 +47,8 @@ def moe_forward_native(
         expert_out.append(F.linear(F.silu(gate) * up, w2[expert]))
     y = torch.cat(expert_out).float() * topk_weights.flatten()[order].float()[:, None]
     out.index_add_(0, rows, y)
-    return out.to(hidden.dtype)
+    out = out.to(hidden.dtype)
+    return out if shared_output is None else out + shared_output
 
 
 class FusedMoE(nn.Module):
@@ -87,12 +90,17 @@ class FusedMoE(nn.Module):
             raise ValueError(f"unknown expert shard {shard!r}")
 
     def forward(
-        self, hidden: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        router_logits: torch.Tensor,
+        correction_bias: torch.Tensor | None = None,
+        shared_output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Partial (this rank's) routed-expert output [T, H]; the caller all-reduces."""
+        """Partial (this rank's) routed-expert output [T, H], plus shared_output [T, H] when
+        given (the shared experts' partial sum, added in the same launch); the caller all-reduces."""
         route, experts = select_experts, moe_forward_native
         if hidden.is_cuda:  # triton ships with CUDA builds of torch; its kernels never sync with the host
             from sglang.srt.layers.moe.fused_moe_triton import fused_moe as experts
             from sglang.srt.layers.moe.topk_triton import select_experts_triton as route
         topk_weights, topk_ids = route(router_logits, self.routing, correction_bias)
-        return experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, shared_output)

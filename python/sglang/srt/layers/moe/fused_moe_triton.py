@@ -3,8 +3,9 @@
 (token, slot) pairs are sorted by expert on device and each expert's run is padded to a
 multiple of BLOCK_M, so every block of BLOCK_M sorted rows belongs to a single expert.
 Two grouped GEMMs then run over those blocks: w13 with SiLU(gate) * up fused into its
-epilogue, and w2 with the routing weight applied. The grid is sized from shapes alone
-(an upper bound on the number of blocks); blocks past the last expert exit at once.
+epilogue, and w2 with the routing weight applied; one more kernel sums each token's top_k
+rows (and adds the shared experts' output). The grid is sized from shapes alone (an upper
+bound on the number of blocks); blocks past the last expert exit at once.
 """
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
         return _align_by_expert_torch(topk_ids.flatten(), num_experts, block_m, max_blocks)
     device = topk_ids.device
     block_p = triton.next_power_of_2(num_pairs)
+    block_pad = triton.next_power_of_2(max_blocks * block_m)
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int64, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
     scratch = torch.empty(block_p, dtype=torch.int64, device=device)
     _align_kernel[(1,)](
         topk_ids.flatten(), scratch, sorted_pairs, block_expert, num_pairs, max_blocks,
         NUM_EXPERTS=num_experts, BLOCK_P=block_p, BLOCK_M=block_m,
-        BLOCK_PAD=triton.next_power_of_2(max_blocks * block_m), BLOCK_B=triton.next_power_of_2(max_blocks),
-        num_warps=8,
+        BLOCK_PAD=block_pad, BLOCK_B=triton.next_power_of_2(max_blocks),
+        num_warps=min(8, max(1, block_pad // 256)),  # decode at batch 1: 128 slots, one warp, no cross-warp syncs
     )
     return sorted_pairs, block_expert
 
@@ -156,6 +158,12 @@ def _grouped_gemm_kernel(
         )
 
 
+# Tiles by BLOCK_M: (BLOCK_N, BLOCK_K, num_warps, num_stages). Decode (BLOCK_M 16) only
+# streams weights: vLLM's tuned DeepSeek-V2-Lite table (E=64, N=1408, H100, batch 1-2) picks
+# narrow N tiles, twice as many programs in flight, and a deeper pipeline there.
+_GEMM_TILES = {16: (32, 64, 4, 4), 64: (64, 64, 4, 3)}
+
+
 def _grouped_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -168,7 +176,7 @@ def _grouped_gemm(
     gated: bool,
 ) -> None:
     n_out, k_in = c.shape[1], a.shape[1]
-    block_n, block_k = 64, 64
+    block_n, block_k, num_warps, num_stages = _GEMM_TILES[block_m]
     grid = (block_expert.shape[0], triton.cdiv(n_out, block_n))
     _grouped_gemm_kernel[grid](
         a, w, c, sorted_pairs, block_expert, topk_weights,
@@ -176,8 +184,26 @@ def _grouped_gemm(
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
         NUM_EXPERTS=w.shape[0], ROWS_PER_A=rows_per_a, GATED=gated, MUL_WEIGHT=not gated,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4, num_stages=3,
+        num_warps=num_warps, num_stages=num_stages,
     )
+
+
+@triton.jit
+def _combine_kernel(per_pair, shared, out, hidden, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (t, j), columns [j * BLOCK, (j + 1) * BLOCK) of token t: the float32 sum of its
+    # TOP_K rows in slot order, rounded to out's dtype; plus shared[t], rounded again (as a
+    # dtype cast followed by torch's add).
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    acc = tl.load(per_pair + t * TOP_K * hidden + cols, mask=mask, other=0.0)
+    for k in tl.static_range(1, TOP_K):
+        acc += tl.load(per_pair + (t * TOP_K + k) * hidden + cols, mask=mask, other=0.0)
+    y = acc.to(out.dtype.element_ty)
+    if HAS_SHARED:
+        y = (y.to(tl.float32) + tl.load(shared + t * hidden + cols, mask=mask, other=0.0).to(tl.float32))
+        y = y.to(out.dtype.element_ty)
+    tl.store(out + t * hidden + cols, y, mask=mask)
 
 
 def fused_moe(
@@ -186,13 +212,16 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    shared_output: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as moe_forward_native: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
-    topk_weights/topk_ids [T, k] -> [T, H] in hidden's dtype (partial sum of this rank)."""
+    topk_weights/topk_ids [T, k] -> [T, H] in hidden's dtype (partial sum of this rank),
+    plus shared_output [T, H] when given."""
     num_tokens, top_k = topk_ids.shape
     hidden_size, inter = hidden.shape[1], w2.shape[2]
+    out = hidden.new_empty(hidden.shape)
     if num_tokens == 0:
-        return hidden.new_zeros(hidden.shape)
+        return out
     num_pairs = num_tokens * top_k
     block_m = 16 if num_pairs <= 64 else 64
     sorted_pairs, block_expert = align_by_expert(topk_ids, w13.shape[0], block_m)
@@ -201,4 +230,11 @@ def fused_moe(
     _grouped_gemm(hidden, w13, act, sorted_pairs, block_expert, weights, block_m, top_k, gated=True)
     per_pair = torch.empty((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     _grouped_gemm(act, w2, per_pair, sorted_pairs, block_expert, weights, block_m, 1, gated=False)
-    return per_pair.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
+    shared = None if shared_output is None else shared_output.contiguous()
+    assert shared is None or (shared.shape == hidden.shape and shared.dtype == hidden.dtype)
+    block = min(triton.next_power_of_2(hidden_size), 512)
+    _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](
+        per_pair, shared if shared is not None else per_pair, out, hidden_size,
+        TOP_K=top_k, HAS_SHARED=shared is not None, BLOCK=block,
+    )
+    return out

@@ -1,10 +1,16 @@
-"""Expert routing in one Triton kernel per batch: `select_experts` on CUDA.
+"""Expert routing on CUDA: the router's float32 logits and `select_experts`, one kernel each.
 
-One program per token row holds the row's expert scores in registers and does what the
-plain-PyTorch `select_experts` does in a dozen kernels: scoring (softmax or sigmoid), group
-ranking and masking, top-k by repeated arg-max, renormalization and scaling. Experts of a
-group are contiguous (group g owns experts [g * group_size, (g + 1) * group_size)). No host
-reads: the grid and every loop bound come from shapes and the routing config.
+`router_logits`: x @ W^T with W float32 and x read in its own dtype (cast in registers),
+for decode-sized batches in one launch where a float32 copy of x plus cuBLAS's GEMV take
+three; larger batches take cuBLAS.
+
+`select_experts_triton`: one program per token row holds the row's expert scores in
+registers and does what the plain-PyTorch `select_experts` does in a dozen kernels: scoring
+(softmax or sigmoid), group ranking and masking, top-k by repeated arg-max, renormalization
+and scaling. Experts of a group are contiguous (group g owns experts [g * group_size,
+(g + 1) * group_size)).
+
+No host reads: every grid and loop bound comes from shapes and the routing config.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -19,6 +26,52 @@ from sglang.srt.layers.moe.topk import RoutingConfig
 
 _METHOD_CODES = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
+
+# Batches up to this many rows get their router logits from one Triton launch, which reads
+# each expert's weight row once per batch; larger ones take cuBLAS's float32 GEMM.
+ROUTER_GEMV_MAX_TOKENS = 16
+_ROUTER_TILE = 4096  # float32 products one program keeps in registers per step
+
+
+@triton.jit
+def _router_logits_kernel(
+    x_ptr, w_ptr, out_ptr, num_tokens, hidden, x_stride, w_stride, out_stride,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Program e: logit of expert e for every token (num_tokens <= BLOCK_T), float32 throughout.
+    e = tl.program_id(0).to(tl.int64)
+    toks = tl.arange(0, BLOCK_T)
+    acc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        valid_k = cols < hidden
+        w = tl.load(w_ptr + e * w_stride + cols, mask=valid_k, other=0.0).to(tl.float32)
+        x = tl.load(
+            x_ptr + toks[:, None] * x_stride + cols[None, :],
+            mask=(toks[:, None] < num_tokens) & valid_k[None, :],
+            other=0.0,
+        )
+        acc += x.to(tl.float32) * w[None, :]
+    tl.store(out_ptr + toks * out_stride + e, tl.sum(acc, axis=1), mask=toks < num_tokens)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 [T, E] = x.float() @ weight.T for x [T, hidden] (any float dtype) and weight
+    [E, hidden] float32; the same products and float32 sums, in another order than cuBLAS's."""
+    num_tokens, hidden = x.shape
+    if num_tokens > ROUTER_GEMV_MAX_TOKENS:
+        return F.linear(x.float(), weight)
+    num_experts = weight.shape[0]
+    out = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=x.device)
+    if num_tokens:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        block_t = triton.next_power_of_2(num_tokens)
+        block_k = min(triton.next_power_of_2(hidden), _ROUTER_TILE // block_t)
+        _router_logits_kernel[(num_experts,)](
+            x, weight, out, num_tokens, hidden, x.stride(0), weight.stride(0), out.stride(0),
+            BLOCK_T=block_t, BLOCK_K=block_k,
+        )
+    return out
 
 
 @triton.jit
@@ -102,14 +155,23 @@ def select_experts_triton(
         return weights, ids
     logits = router_logits.contiguous()
     n_group = cfg.num_expert_group or 1
+    block_e = triton.next_power_of_2(cfg.num_experts)
     _route_kernel[(num_tokens,)](
         logits, correction_bias if correction_bias is not None else logits, weights, ids,
         logits.stride(0), cfg.routed_scaling_factor,
-        E=cfg.num_experts, BLOCK_E=triton.next_power_of_2(cfg.num_experts),
+        E=cfg.num_experts, BLOCK_E=block_e,
         TOP_K=cfg.top_k, BLOCK_K=triton.next_power_of_2(cfg.top_k),
         SIGMOID=cfg.scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None,
         METHOD=_METHOD_CODES[cfg.topk_method],
         GROUP_SIZE=cfg.num_experts // n_group, N_GROUP=n_group, TOPK_GROUP=cfg.topk_group or 1,
         BLOCK_G=triton.next_power_of_2(n_group), RENORMALIZE=cfg.renormalize,
+        num_warps=_route_warps(block_e),
     )
     return weights, ids
+
+
+def _route_warps(block_e: int) -> int:
+    """One warp per 64 experts (up to 4): a row of 64 scores sits in one warp's registers,
+    so each of the kernel's ~20 max/argmax/sum reductions is warp shuffles alone, with no
+    shared-memory round trip and barrier across warps."""
+    return min(4, max(1, block_e // 64))

@@ -5,6 +5,8 @@ KV head (GQA group, or all heads for MLA's single latent head) and one contiguou
 of the request's KV; it writes that split's normalized output and its base-2
 log-sum-exp. Stage 2 merges the splits. The number of splits per request is a device
 tensor (more splits for longer contexts), so the grid is static for a given batch size.
+Wide keys (MLA's 576 channels) take 32-token KV blocks; they split each request twice as
+finely (SPLIT_SCALE), so that a short context still costs each program a single block.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ LOG2E = 1.4426950408889634
 
 
 def num_kv_splits(seq_lens: torch.Tensor) -> torch.Tensor:
-    """Splits per request: one per MIN_TOKENS_PER_SPLIT tokens, capped (device op, no sync)."""
+    """Split units per request: one per MIN_TOKENS_PER_SPLIT tokens, capped (device op, no sync).
+    A kernel of BLOCK_N-token blocks runs MIN_TOKENS_PER_SPLIT // BLOCK_N splits per unit."""
     return ((seq_lens + MIN_TOKENS_PER_SPLIT - 1) // MIN_TOKENS_PER_SPLIT).clamp(1, MAX_KV_SPLITS).to(torch.int32)
 
 
@@ -36,14 +39,14 @@ def _decode_stage1_kernel(
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     LK: tl.constexpr, LV: tl.constexpr, D_MAIN: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_SCALE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     head_block = tl.program_id(1) % HEAD_BLOCKS
     split = tl.program_id(2)
 
-    num_splits = tl.load(num_splits_ptr + b)
+    num_splits = tl.minimum(tl.load(num_splits_ptr + b) * SPLIT_SCALE, tl.num_programs(2))
     kv_start = tl.load(kv_indptr + b)
     kv_len = tl.load(kv_indptr + b + 1) - kv_start
     split_len = (kv_len + num_splits - 1) // num_splits
@@ -117,11 +120,11 @@ def _decode_stage1_kernel(
 def _decode_stage2_kernel(
     Part_O, Part_LSE, O, num_splits_ptr,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
-    LV: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    LV: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_SCALE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    num_splits = tl.load(num_splits_ptr + b)
+    num_splits = tl.minimum(tl.load(num_splits_ptr + b) * SPLIT_SCALE, MAX_SPLITS)  # as stage 1's
     offs_s = tl.arange(0, MAX_SPLITS)
     offs_dv = tl.arange(0, BLOCK_DV)
     valid_s = offs_s < num_splits
@@ -152,7 +155,7 @@ def decode_attention(
     """q: [bs, H, Lk]; k_cache: [slots, Hkv, Lk]; v_cache: [slots, Hkv, Lv]; out: [bs, H, Lv].
 
     Request i attends to the slots kv_indices[kv_indptr[i]:kv_indptr[i+1]]; num_splits[i]
-    (int32, 1..MAX_KV_SPLITS) is how many programs share its KV.
+    (int32, 1..MAX_KV_SPLITS, from num_kv_splits) sets how many programs share its KV.
     """
     bs, num_heads, lk = q.shape
     num_kv_heads, lv = k_cache.shape[1], v_cache.shape[-1]
@@ -164,6 +167,7 @@ def decode_attention(
     part_o = torch.empty((bs, num_heads, MAX_KV_SPLITS, lv), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((bs, num_heads, MAX_KV_SPLITS), dtype=torch.float32, device=q.device)
     block_n = 64 if tiling.block_d <= 256 else 32
+    split_scale = MIN_TOKENS_PER_SPLIT // block_n
     _decode_stage1_kernel[(bs, num_kv_heads * head_blocks, MAX_KV_SPLITS)](
         q, k_cache, v_cache, kv_indptr, kv_indices, num_splits, part_o, part_lse,
         scaling * LOG2E,
@@ -172,13 +176,13 @@ def decode_attention(
         GROUP=group, HEAD_BLOCKS=head_blocks,
         LK=lk, LV=lv, D_MAIN=tiling.d_main,
         BLOCK_D=tiling.block_d, BLOCK_DPE=tiling.block_dpe, BLOCK_DV=tiling.block_dv,
-        BLOCK_H=BLOCK_H, BLOCK_N=block_n,
+        BLOCK_H=BLOCK_H, BLOCK_N=block_n, SPLIT_SCALE=split_scale,
         num_warps=4, num_stages=2,
     )
     _decode_stage2_kernel[(bs, num_heads)](
         part_o, part_lse, out, num_splits,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        LV=lv, BLOCK_DV=tiling.block_dv, MAX_SPLITS=MAX_KV_SPLITS,
+        LV=lv, BLOCK_DV=tiling.block_dv, MAX_SPLITS=MAX_KV_SPLITS, SPLIT_SCALE=split_scale,
         num_warps=4,
     )

@@ -1,0 +1,129 @@
+"""MLA decode-path kernels on CUDA: the rope-and-pack step and the per-head absorbed
+projections. Neither reads device data on the host (CUDA-graph capturable); nothing
+launches for 0 rows.
+
+`mla_rope_pack_triton` (deepseek_rotary.mla_rope_pack dispatches here): program (t, h)
+rotates q head h of token t into q_out[t, h, L:]; program (t, H) writes k[t] = latent[t] ‖
+rope(k_pe[t]). One launch where the RoPE kernel and two concatenations took three. cos/sin
+are the rotary module's table row of the position times `scale`, and the rotation is
+fused_ops' own, so every value equals the rope module's forward_triton.
+
+`head_matmul_triton`: out[t, h] = a[t, h] @ b[h] for up to HEAD_MATMUL_MAX_TOKENS tokens,
+any strides (q_nope @ W_UK into q's latent channels, o_latent @ W_UV^T), where cuBLAS's
+batched GEMM takes 3-6 us for these 16 head-sized GEMVs at batch 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang.srt.layers.fused_ops import _rotate_head
+
+HEAD_MATMUL_MAX_TOKENS = 16  # one tl.dot row tile; larger batches take torch.bmm
+
+
+@triton.jit
+def _mla_rope_pack_kernel(
+    pos_ptr, cos_sin_ptr, cs_stride, scale,
+    q_pe_ptr, k_pe_ptr, latent_ptr, q_out, k_out,
+    q_pe_stride_t, q_pe_stride_h, k_pe_stride_t, latent_stride_t, q_out_stride_t, q_out_stride_h,
+    num_heads,
+    LATENT: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_LATENT: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = tl.load(pos_ptr + t).to(tl.int64)
+    half = tl.arange(0, BLOCK_HALF)
+    mask = half < ROT // 2
+    cos = tl.load(cos_sin_ptr + row * cs_stride + half, mask=mask, other=0.0).to(tl.float32) * scale
+    sin = tl.load(cos_sin_ptr + row * cs_stride + ROT // 2 + half, mask=mask, other=0.0).to(tl.float32) * scale
+    if h < num_heads:
+        dst = q_out + t * q_out_stride_t + h * q_out_stride_h + LATENT
+        _rotate_head(q_pe_ptr + t * q_pe_stride_t + h * q_pe_stride_h, dst, cos, sin, ROT, ROT, NEOX, BLOCK_HALF, 1)
+    else:
+        k_row = k_out + t * (LATENT + ROT)
+        _rotate_head(k_pe_ptr + t * k_pe_stride_t, k_row + LATENT, cos, sin, ROT, ROT, NEOX, BLOCK_HALF, 1)
+        cols = tl.arange(0, BLOCK_LATENT)
+        valid = cols < LATENT
+        latent = tl.load(latent_ptr + t * latent_stride_t + cols, mask=valid)
+        tl.store(k_row + cols, latent.to(k_out.dtype.element_ty), mask=valid)
+
+
+def mla_rope_pack_triton(
+    positions: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    latent: torch.Tensor,
+    q_out: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    scale: float,
+    is_neox_style: bool,
+) -> torch.Tensor:
+    """See deepseek_rotary.mla_rope_pack; cos_sin_cache [P, R] is cos | sin halves, float32."""
+    num_tokens, num_heads, rot = q_pe.shape
+    latent_dim = latent.shape[-1]
+    assert q_pe.stride(-1) == k_pe.stride(-1) == latent.stride(-1) == q_out.stride(-1) == 1
+    k_out = torch.empty((num_tokens, latent_dim + rot), dtype=latent.dtype, device=latent.device)
+    if num_tokens:
+        _mla_rope_pack_kernel[(num_tokens, num_heads + 1)](
+            positions, cos_sin_cache, cos_sin_cache.stride(0), scale,
+            q_pe, k_pe, latent, q_out, k_out,
+            q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), latent.stride(0), q_out.stride(0), q_out.stride(1),
+            num_heads,
+            LATENT=latent_dim, ROT=rot, NEOX=is_neox_style,
+            BLOCK_HALF=triton.next_power_of_2(rot // 2), BLOCK_LATENT=triton.next_power_of_2(latent_dim),
+            num_warps=1,
+        )
+    return k_out
+
+
+@triton.jit
+def _head_matmul_kernel(
+    a_ptr, b_ptr, c_ptr, num_tokens, K, N,
+    stride_at, stride_ah, stride_ak, stride_bh, stride_bk, stride_bn, stride_ct, stride_ch, stride_cn,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Program (h, j): columns [j * BLOCK_N, (j + 1) * BLOCK_N) of head h for every token.
+    h = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    toks = tl.arange(0, BLOCK_T)
+    valid_t, valid_n = toks < num_tokens, offs_n < N
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        valid_k = offs_k < K
+        a = tl.load(
+            a_ptr + toks[:, None] * stride_at + h * stride_ah + offs_k[None, :] * stride_ak,
+            mask=valid_t[:, None] & valid_k[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + h * stride_bh + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+            mask=valid_k[:, None] & valid_n[None, :],
+            other=0.0,
+        )
+        acc += tl.dot(a, b)
+    tl.store(
+        c_ptr + toks[:, None] * stride_ct + h * stride_ch + offs_n[None, :] * stride_cn,
+        acc.to(c_ptr.dtype.element_ty),
+        mask=valid_t[:, None] & valid_n[None, :],
+    )
+
+
+def head_matmul_triton(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out[t, h] = a[t, h] @ b[h]: a [T, H, K], b [H, K, N], out [T, H, N], T <= HEAD_MATMUL_MAX_TOKENS."""
+    num_tokens, num_heads, k_dim = a.shape
+    n_dim = b.shape[-1]
+    assert num_tokens <= HEAD_MATMUL_MAX_TOKENS and b.shape[:2] == (num_heads, k_dim)
+    if not num_tokens:
+        return
+    block_n = max(16, min(64, triton.next_power_of_2(n_dim) // 8))  # 8 programs a head for N 512 and 128
+    _head_matmul_kernel[(num_heads, triton.cdiv(n_dim, block_n))](
+        a, b, out, num_tokens, k_dim, n_dim,
+        *a.stride(), *b.stride(), *out.stride(),
+        BLOCK_T=16, BLOCK_K=128, BLOCK_N=block_n,
+        num_warps=4, num_stages=2,
+    )

@@ -1,0 +1,176 @@
+"""The DeepSeek decode-path kernels vs their plain-PyTorch references.
+
+- The YaRN rotary table holds exactly the on-the-fly cos/sin of float(position) * inv_freq.
+- Stacked projection rows (q and kv_a in one GEMM) are views their loaders fill in place.
+- MLA's rope-and-pack step (one kernel on CUDA) writes what the rope module and two
+  concatenations wrote, for DeepSeek's YaRN module and the plain one, both pair layouts.
+- The router's float32 logits (one kernel for decode batches) equal x.float() @ W^T.
+- The fused MoE with the shared experts' output added in its last kernel equals the native one.
+- MLA decode attention at the real widths (576 / 512, the finer split) equals the torch backend.
+
+Kernels run compiled on CUDA, or under Triton's CPU interpreter in a subprocess (as in
+test_triton_kernels); without triton the kernel tests are skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from test_triton_kernels import (  # noqa: E402  (patches the interpreter for NumPy >= 2.4)
+    NEEDS_SUBPROCESS,
+    ON_CUDA,
+    _compare,
+    kernel_test,
+    rerun_under_interpreter,
+)
+
+from sglang.srt.layers.deepseek_rotary import DeepseekScalingRotaryEmbedding, mla_rope_pack, yarn_inv_freq  # noqa: E402
+from sglang.srt.layers.moe.fused_moe import moe_forward_native  # noqa: E402
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+from sglang.test.attention_batches import AttnShape  # noqa: E402
+
+DEVICE = "cuda" if ON_CUDA else "cpu"
+DTYPES = [torch.bfloat16, torch.float32] if ON_CUDA else [torch.float32]
+YARN = dict(scaling_factor=40.0, mscale=0.707, mscale_all_dim=0.5, beta_fast=32, beta_slow=1)
+
+
+@pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="already compiled or interpreted in this process")
+def test_kernels_under_triton_interpreter():
+    rerun_under_interpreter(__file__, timeout=900)
+
+
+def test_yarn_table_is_the_on_the_fly_cos_sin():
+    rope = DeepseekScalingRotaryEmbedding(64, 64, 128, 10000.0, False, **YARN)
+    assert rope.cos_sin_cache.shape == (128 * 40, 64)
+    positions = torch.tensor([0, 1, 77, 5119])
+    freqs = positions[:, None] * yarn_inv_freq(64, 10000.0, 40.0, 128, 32, 1)[None, :]
+    assert torch.equal(rope.cos_sin_cache[positions], torch.cat([freqs.cos(), freqs.sin()], dim=-1))
+
+
+def test_stack_rows_is_one_gemm_over_the_layers_views():
+    from sglang.srt.layers.linear import ReplicatedLinear
+    from sglang.srt.models.deepseek_v2 import stack_rows
+
+    q, kv = ReplicatedLinear(8, 5, bias=False), ReplicatedLinear(8, 3, bias=True)
+    weight, bias = stack_rows([q, kv])
+    for param, shape in ((q.weight, (5, 8)), (kv.weight, (3, 8)), (kv.bias, (3,))):
+        param.weight_loader(param, torch.randn(shape))  # loaders write the stacked storage
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(F.linear(x, weight, bias), torch.cat([q(x), kv(x)], dim=-1))
+    assert torch.equal(bias[:5], torch.zeros(5))  # the bias-free layer's rows
+
+
+def _rope_modules(neox: bool) -> list[RotaryEmbedding]:
+    yarn = DeepseekScalingRotaryEmbedding(16, 16, 64, 10000.0, neox, **YARN)
+    return [yarn, RotaryEmbedding(16, 16, 256, 10000.0, neox)]
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [0, 1, 5])
+@pytest.mark.parametrize("neox", [False, True])
+def test_mla_rope_pack_matches_rope_and_cat(neox, num_tokens, dtype):
+    heads, nope, rot, latent_dim = 3, 8, 16, 24
+    gen = torch.Generator().manual_seed(num_tokens)
+    q = torch.randn(num_tokens, heads, nope + rot, generator=gen).to(dtype)
+    kv = torch.randn(num_tokens, latent_dim + rot, generator=gen).to(dtype)
+    latent = torch.randn(num_tokens, latent_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 256, (num_tokens,), generator=gen)
+    for rope in _rope_modules(neox):
+        q_rot, k_rot = rope.forward_native(positions, q[..., nope:], kv[:, latent_dim:].unsqueeze(1))
+        dev = lambda x: x.to(DEVICE)  # noqa: E731
+        q_out = torch.full((num_tokens, heads, latent_dim + rot), 7.0, dtype=dtype, device=DEVICE)
+        k_out = mla_rope_pack(
+            rope.to(DEVICE), dev(positions), dev(q)[..., nope:], dev(kv)[:, latent_dim:], dev(latent), q_out
+        ) if ON_CUDA else _interpreted_pack(rope, positions, q[..., nope:], kv[:, latent_dim:], latent, q_out)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(q_out[..., latent_dim:].cpu(), q_rot, atol=tol, rtol=tol)
+        assert torch.all(q_out[..., :latent_dim] == 7.0)  # the caller's channels are left alone
+        torch.testing.assert_close(k_out.cpu(), torch.cat([latent, k_rot.squeeze(1)], dim=-1), atol=tol, rtol=tol)
+
+
+def _interpreted_pack(rope, positions, q_pe, k_pe, latent, q_out) -> torch.Tensor:
+    """The Triton path on CPU tensors (mla_rope_pack dispatches on is_cuda)."""
+    from sglang.srt.layers.mla_triton import mla_rope_pack_triton
+
+    scale = rope.mscale if isinstance(rope, DeepseekScalingRotaryEmbedding) else 1.0
+    return mla_rope_pack_triton(positions, q_pe, k_pe, latent, q_out, rope.cos_sin_cache, scale, rope.is_neox_style)
+
+
+@kernel_test
+@pytest.mark.parametrize("num_tokens", [0, 1, 3, 16, 17])  # 17: past ROUTER_GEMV_MAX_TOKENS, cuBLAS
+@pytest.mark.parametrize("shape", [(8, 40), (64, 2048)] + ([(256, 7168)] if ON_CUDA else []))
+def test_router_logits_match_float32_linear(shape, num_tokens):
+    from sglang.srt.layers.moe.topk_triton import ROUTER_GEMV_MAX_TOKENS, router_logits
+
+    assert ROUTER_GEMV_MAX_TOKENS == 16
+
+    num_experts, hidden = shape
+    gen = torch.Generator().manual_seed(num_tokens + hidden)
+    weight = torch.randn(num_experts, hidden, generator=gen).to(DEVICE)
+    x = torch.randn(num_tokens, hidden + 3, generator=gen).to(DEVICE, DTYPES[0])[:, :hidden]  # a column slice
+    got = router_logits(x, weight)
+    ref = (x.double() @ weight.double().T).float()
+    assert got.dtype == torch.float32 and got.shape == (num_tokens, num_experts)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got, F.linear(x.float(), weight), atol=1e-4, rtol=1e-5)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(0, 8, 2, 32, 48), (1, 8, 6, 32, 48), (5, 16, 3, 40, 24), (30, 8, 3, 64, 32)])
+def test_fused_moe_adds_shared_output(shape, dtype):
+    from sglang.srt.layers.moe.fused_moe_triton import fused_moe
+
+    num_tokens, num_experts, top_k, hidden, inter = shape
+    gen = torch.Generator().manual_seed(num_tokens + num_experts)
+    rand = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(DEVICE, dtype)  # noqa: E731
+    x, shared = rand(num_tokens, hidden), rand(num_tokens, hidden)
+    w13 = rand(num_experts, 2 * inter, hidden, scale=hidden**-0.5)
+    w2 = rand(num_experts, hidden, inter, scale=inter**-0.5)
+    weights, ids = torch.randn(num_tokens, num_experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
+    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
+    ref = moe_forward_native(x, w13, w2, weights, ids, shared)
+    got = fused_moe(x, w13, w2, weights, ids, shared)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    tol = 1e-4 if dtype == torch.float32 and not ON_CUDA else 3e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(moe_forward_native(x, w13, w2, weights, ids) + shared, ref)
+
+
+@kernel_test
+def test_wide_mla_decode_matches_torch_native():
+    """576 / 512 channels: 32-token blocks, two splits per 64-token unit (up to the 16 cap)."""
+    fb = _compare(AttnShape(16, 1, 576, 512, mla=True), [1] * 5, [0, 40, 130, 300, 700], DTYPES[0])
+    assert fb.attn_backend.metadata.num_kv_splits.tolist() == [1, 1, 3, 5, 11]
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [0, 1, 5, 16])
+def test_head_matmul_matches_bmm(num_tokens, dtype):
+    """MLA's two absorbed projections at DeepSeek's widths: q_nope @ W_UK into q's latent
+    channels (strided a, out a channel slice) and o_latent @ W_UV^T (b transposed)."""
+    from sglang.srt.layers.mla_triton import head_matmul_triton
+
+    heads, nope, rope, latent, v = 4, 128, 64, 512, 128
+    gen = torch.Generator().manual_seed(num_tokens)
+    rand = lambda *s: torch.randn(*s, generator=gen).to(DEVICE, dtype)  # noqa: E731
+    kv_b = rand(heads, nope + v, latent) * latent**-0.5
+    w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
+    q_nope = rand(num_tokens, heads, nope + rope)[..., :nope]
+    q_full = torch.full((num_tokens, heads, latent + rope), 7.0, dtype=dtype, device=DEVICE)
+    head_matmul_triton(q_nope, w_uk, q_full[..., :latent])
+    o_latent = rand(num_tokens, heads, latent)
+    o = torch.empty((num_tokens, heads, v), dtype=dtype, device=DEVICE)
+    head_matmul_triton(o_latent, w_uv.transpose(1, 2), o)
+    tol = 1e-4 if dtype == torch.float32 and not ON_CUDA else 2e-2  # CUDA fp32 dots run in TF32
+    ref_q = torch.bmm(q_nope.transpose(0, 1).float(), w_uk.float()).transpose(0, 1)
+    torch.testing.assert_close(q_full[..., :latent].float(), ref_q, atol=tol, rtol=tol)
+    assert torch.all(q_full[..., latent:] == 7.0)
+    ref_o = torch.bmm(o_latent.transpose(0, 1).float(), w_uv.transpose(1, 2).float()).transpose(0, 1)
+    torch.testing.assert_close(o.float(), ref_o, atol=tol, rtol=tol)
