@@ -138,7 +138,7 @@ def test_rotary_embedding(case, tokens, dtype):
     head, rot, q_heads, k_heads, neox, three_d = case
     q, k = _rope_inputs(head, q_heads, k_heads, three_d, tokens, dtype)
     for layer in _rope_layers(head, rot, neox):
-        # Unsorted positions; past the table for DeepSeek's module, which has none.
+        # Unsorted positions; DeepSeek's table spans the scaled context, so go further there.
         max_pos = 100_000 if isinstance(layer, DeepseekScalingRotaryEmbedding) else 4096
         positions = torch.randint(0, max_pos, (tokens,), generator=torch.Generator().manual_seed(tokens))
         _compare(layer, positions, q, k)
