@@ -53,7 +53,7 @@ def test_yarn_table_is_the_on_the_fly_cos_sin():
 
 def test_stack_rows_is_one_gemm_over_the_layers_views():
     from sglang.srt.layers.linear import ReplicatedLinear
-    from sglang.srt.models.deepseek_v2 import stack_rows
+    from sglang.srt.layers.linear import stack_rows
 
     q, kv = ReplicatedLinear(8, 5, bias=False), ReplicatedLinear(8, 3, bias=True)
     weight, bias = stack_rows([q, kv])

@@ -179,3 +179,27 @@ class RowParallelLinear(LinearBase):
         if self.reduce_results:
             y = self.group.all_reduce(y)
         return y + self.bias if self.bias is not None else y
+
+
+def stack_rows(layers: list[nn.Module]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(weight, bias) stacking the output rows of linear layers that read the same input, so
+    that one GEMM computes them all. Each layer's weight (and bias) becomes a view of its rows,
+    which its loader fills in place; a layer without a bias contributes zero rows.
+
+    Invariant: the stacked tensors and the layers' parameters share storage. Every loader
+    writes in place; re-assigning a parameter (e.g. `module.to`) would break the sharing, and
+    the stacked tensors, plain attributes, then stay behind on their device and fail loudly.
+    """
+    weight = torch.cat([layer.weight.data for layer in layers])
+    bias = None
+    if any(layer.bias is not None for layer in layers):
+        zeros = lambda layer: weight.new_zeros(layer.weight.shape[0])  # noqa: E731
+        bias = torch.cat([zeros(layer) if layer.bias is None else layer.bias.data for layer in layers])
+    start = 0
+    for layer in layers:
+        rows = slice(start, start + layer.weight.shape[0])
+        layer.weight.data = weight[rows]
+        if layer.bias is not None:
+            layer.bias.data = bias[rows]
+        start = rows.stop
+    return weight, bias

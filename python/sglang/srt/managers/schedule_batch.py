@@ -114,8 +114,8 @@ class ScheduleBatch:
     global_num_tokens: Optional[list[int]] = None
     # DP attention: DECODE when no DP rank extends this iteration (decode graphs may replay).
     global_forward_mode: Optional[ForwardMode] = None
-    # Decode under overlap scheduling: input_ids[i] comes from future.ids[future_src[i']] for
-    # the rows future_dst (their input_ids entries are placeholders until the device fills them).
+    # Decode under overlap scheduling: input_ids[future_dst[j]] = future.ids[future_src[j]], filled
+    # on the device (the host list holds placeholders there).
     future: Optional[FutureTokens] = None
     future_dst: list[int] = field(default_factory=list)
     future_src: list[int] = field(default_factory=list)

@@ -75,11 +75,12 @@ class LaunchedStep:
     def sampled_rows(self) -> list[int]:
         return self.sampled.rows if self.sampled else []
 
-    def future_tokens(self) -> FutureTokens:
-        """The sampled tokens, still on the device, for the next step to feed."""
-        rids = [self.sampled.reqs[i].rid for i in self.sampled.rows] if self.sampled else []
-        ids = self.sampled.out.next_token_ids if self.sampled else None
-        return FutureTokens(ids, {rid: j for j, rid in enumerate(rids)})
+    def future_tokens(self) -> Optional[FutureTokens]:
+        """The sampled tokens, still on the device, for the next step to feed (None if none)."""
+        if self.sampled is None:
+            return None
+        rids = [self.sampled.reqs[i].rid for i in self.sampled.rows]
+        return FutureTokens(self.sampled.out.next_token_ids, {rid: j for j, rid in enumerate(rids)})
 
     def resolve(self) -> GenerationResult:
         if self.sampled is not None:
