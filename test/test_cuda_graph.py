@@ -324,7 +324,7 @@ def test_captured_work_matches_eager_triton(tiny_llama_dir):
         fb = driver.decode_batch()
         key, eager = _key_and_eager_logits(graphs, runner, fb)
         graphs.inputs.load(fb, key, PLAIN)
-        out = graphs._run(graphs.inputs.batch(key, PLAIN), key).next_token_logits
+        (out,) = graphs._run(graphs.inputs.batch(key, PLAIN), key)
         torch.testing.assert_close(out[:3], eager, rtol=1e-4, atol=1e-4)
         driver.next_tokens = eager.argmax(-1).tolist()
 
@@ -354,7 +354,7 @@ def _dp_captured_work_worker(rank: int, world: int, path: str) -> None:
         key, eager = _key_and_eager_logits(graphs, runner, fb)
         assert key == GraphKey(DECODE, 4, 1)
         graphs.inputs.load(fb, key, PLAIN)
-        out = graphs._run(graphs.inputs.batch(key, PLAIN), key).next_token_logits
+        (out,) = graphs._run(graphs.inputs.batch(key, PLAIN), key)
         torch.testing.assert_close(out[: fb.batch_size], eager, rtol=1e-4, atol=1e-4)
         if not idle:
             driver.next_tokens = eager.argmax(-1).tolist()
@@ -453,9 +453,7 @@ def _emulated_capture(graphs: CudaGraphRunner) -> None:
     for key in sorted(graphs.keys, key=lambda k: (k.num_tokens, k.tree_cols, k.batch_size), reverse=True):
         batch = graphs.inputs.padding_batch(key, graphs.modes[key.mode])
         assert _lengths_agree(batch), key
-        warm = graphs._run(batch, key)
-        if graphs.out_logits is None:
-            graphs.allocate_outputs(warm, torch.device("cpu"))
+        graphs.ensure_outputs(key, graphs._run(batch, key))
         graphs.graphs[key] = _WorkAsGraph(graphs, key)
 
 
@@ -464,7 +462,9 @@ def _cpu_graphs():
     """ModelRunners built inside capture their speculative modes' graphs as on CUDA (at the
     same point of their construction), as _WorkAsGraph graphs."""
     with (
-        mock.patch.object(ModelRunner, "_graph_modes", lambda self: self.spec_sizes.captured_modes(self.is_draft)),
+        mock.patch.object(
+            ModelRunner, "_graph_modes", lambda self: self.spec_sizes.captured_modes(self.is_draft, self.draft_loop)
+        ),
         mock.patch.object(CudaGraphRunner, "capture", _emulated_capture),
     ):
         yield

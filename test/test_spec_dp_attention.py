@@ -88,13 +88,12 @@ def test_sub_forward_rows_from_the_plan_all_gather():
     assert it.sub_forwards() == [
         SubForward.TARGET_EXTEND,
         SubForward.DRAFT_EXTEND_PREFILL,
-        SubForward.DRAFT_STEP,
-        SubForward.DRAFT_STEP,
+        SubForward.DRAFT_LOOP,  # steps - 1 = 2 draft forwards
         SubForward.TARGET_VERIFY,
         SubForward.DRAFT_EXTEND,
     ]
     assert it.rows(SubForward.TARGET_EXTEND) == it.rows(SubForward.DRAFT_EXTEND_PREFILL) == (6, 0, 0)
-    assert it.rows(SubForward.DRAFT_STEP) == (0, 8, 0)  # bs x topk, not bs x num_draft_tokens
+    assert it.rows(SubForward.DRAFT_LOOP) == (0, 8, 0)  # bs x topk, not bs x num_draft_tokens
     assert it.rows(SubForward.TARGET_VERIFY) == (0, 16, 0)
     assert it.rows(SubForward.DRAFT_EXTEND) == (0, 8, 0)  # padded to steps + 1 per request
     decode_only = SpecIterationPlan.from_global(GlobalPlan((LocalPlan(1, 1, 0), LocalPlan(0, 0, 0))), sizes)
@@ -159,15 +158,16 @@ def _check_gathers(gathers: list[tuple], record: list[dict], dp_rank: int, sizes
         per_sub_forward[iteration, index] = per_sub_forward.get((iteration, index), 0) + 1
     for r in record:
         trace = r["trace"]
-        for index, (kind, _, _) in enumerate(trace):  # one gather per MLP/MoE layer of the model
-            assert per_sub_forward.get((r["iteration"], index), 0) == layers[kind.startswith("target")], (kind, r)
+        for index, (kind, _, _) in enumerate(trace):  # one gather per MLP/MoE layer of each forward
+            forwards = steps - 1 if kind == "draft_loop" else 1
+            assert per_sub_forward.get((r["iteration"], index), 0) == forwards * layers[kind.startswith("target")], (kind, r)
         rows = {kind: planned for kind, planned, _ in trace}
         if "target_verify" in rows:  # per DP rank: bs x topk, bs x num_draft_tokens, bs x (steps + 1)
             bs = [v // n for v in rows["target_verify"]]
             assert rows["target_verify"] == tuple(b * n for b in bs)
             assert rows["draft_extend"] == tuple(b * (steps + 1) for b in bs)
-            assert all(planned == tuple(b * topk for b in bs) for kind, planned, _ in trace if kind == "draft_step")
-            assert [kind for kind, _, _ in trace].count("draft_step") == steps - 1
+            assert all(planned == tuple(b * topk for b in bs) for kind, planned, _ in trace if kind == "draft_loop")
+            assert [kind for kind, _, _ in trace].count("draft_loop") == (steps > 1)
             mode, num_reqs = r["batch"]
             assert bs[dp_rank] == (num_reqs if mode == ForwardMode.DECODE else 0)
         if "target_extend" in rows:

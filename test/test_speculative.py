@@ -239,12 +239,10 @@ def test_speculative_defaults_and_validation():
 
 
 def test_nan_detection_flags_non_finite_verify_logits():
-    from sglang.srt.layers.sampler import NAN_TOKEN_ID
-    from sglang.srt.managers.tp_worker import GenerationResult
-    from sglang.srt.speculative.eagle_worker import EAGLEWorker
+    from sglang.srt.speculative.eagle_utils import non_finite_requests
 
-    logits = torch.zeros(2, 3, 5)
-    logits[1, 2, 4] = float("nan")
-    result = GenerationResult([[1, 2], [3, 4, 5]], [2, 3], accepted_draft_tokens=[1, 2])
-    EAGLEWorker._flag_non_finite(logits, result)
-    assert result.next_token_ids == [[1, 2], [NAN_TOKEN_ID]]
+    logits = torch.zeros(2 * 3, 5)  # two requests, three tree nodes each
+    logits[1 * 3 + 2, 4] = float("nan")
+    assert non_finite_requests(logits, 2).tolist() == [False, True]
+    logits[0, 0] = float("inf")
+    assert non_finite_requests(logits, 2).tolist() == [True, True]

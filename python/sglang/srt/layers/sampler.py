@@ -123,7 +123,7 @@ class Sampler:
             bad_rows = ~torch.isfinite(logits).all(dim=-1)
             logits = logits.masked_fill(bad_rows.view(-1, 1), 0.0)  # keeps sampling valid; the row is discarded
         if info.all_greedy:
-            next_ids = _greedy(logits)
+            next_ids = greedy_tokens(logits)
         else:
             probs = self.filtered_probs(logits, info)
             next_ids = self._draw(probs, info.generators)
@@ -159,7 +159,7 @@ class Sampler:
         return out
 
 
-def _greedy(logits: torch.Tensor) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1): first maximum, NaN counted as the maximum (a NaN row is
     only reported as NAN_TOKEN_ID under detect_nan, which zeroes it first)."""
     if not logits.is_cuda:

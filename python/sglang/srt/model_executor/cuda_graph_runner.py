@@ -24,7 +24,7 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
@@ -61,6 +61,19 @@ class CudaGraphCaptureError(RuntimeError):
     """Capture failed (typically out of memory); the message names the flags that help."""
 
 
+# One model forward as a graph runs it (metadata from device tensors, then the model), or as
+# an eager forward runs it (ModelRunner.forward_eager).
+ForwardFn = Callable[[ForwardBatch], LogitsProcessorOutput]
+
+
+class GraphProgram(Protocol):
+    """Work of several forwards captured as one graph (e.g. the whole draft loop). Called with
+    the mode's batch and the forward to run each forward with; returns per-request outputs
+    ([batch_size, ...] each). Programs compare by value (frozen dataclasses)."""
+
+    def __call__(self, fb: ForwardBatch, forward: ForwardFn) -> tuple[torch.Tensor, ...]: ...
+
+
 @dataclass(frozen=True)
 class CapturedMode:
     """How the forwards of one mode are captured (every request has the same token count)."""
@@ -70,6 +83,8 @@ class CapturedMode:
     capture_hidden: CaptureHiddenMode = CaptureHiddenMode.NULL
     draft_input: bool = False  # hidden states come in through spec_info (draft forwards)
     logits_at_rows: bool = False  # logits at one given row per request (draft extend)
+    draft_scores: bool = False  # spec_info also carries each input token's draft score
+    program: Optional[GraphProgram] = None  # the captured work; None: one model forward
 
 
 @dataclass(frozen=True)
@@ -164,6 +179,7 @@ class StaticInputs:
         self.logits_indices = torch.zeros(max_bs, **i64)
         self.custom_mask = torch.ones(max_tokens * max_tree_cols, dtype=torch.bool, device=device)
         self.hidden_states = None if hidden is None else torch.zeros((max_tokens, hidden[0]), dtype=hidden[1], device=device)
+        self.draft_scores = torch.zeros(max_tokens, dtype=torch.float32, device=device)
 
     def load(self, fb: ForwardBatch, key: GraphKey, mode: CapturedMode) -> ForwardBatch:
         """Copy fb into the buffers, pad rows fb.batch_size..key.batch_size, and return the
@@ -182,6 +198,8 @@ class StaticInputs:
                 self.custom_mask[: n * key.tree_cols].copy_(fb.custom_mask.flatten())
             if mode.draft_input:
                 self.hidden_states[:n].copy_(fb.spec_info.hidden_states)
+            if mode.draft_scores:
+                self.draft_scores[:n].copy_(fb.spec_info.scores)
             if mode.logits_at_rows:
                 self.logits_indices[:bs].copy_(fb.logits_indices)
         self._pad(key, mode, bs, n)
@@ -210,9 +228,16 @@ class StaticInputs:
             self.custom_mask[tokens * key.tree_cols : n * key.tree_cols].fill_(True)
         if mode.draft_input:
             self.hidden_states[tokens:n].zero_()
+        if mode.draft_scores:
+            self.draft_scores[tokens:n].zero_()
         if mode.logits_at_rows:  # a padded request's logits row: its own last token
             pad = torch.arange(rows, bs, device=self.logits_indices.device)
             self.logits_indices[rows:bs].copy_(pad * tpr + tpr - 1)
+
+    def _spec_input(self, n: int, mode: CapturedMode) -> Optional[SpecInput]:
+        if not mode.draft_input:
+            return None
+        return SpecInput(self.hidden_states[:n], self.draft_scores[:n] if mode.draft_scores else None)
 
     def batch(self, key: GraphKey, mode: CapturedMode) -> ForwardBatch:
         """The buffers' first rows as the batch a graph of `key` was captured with."""
@@ -231,7 +256,7 @@ class StaticInputs:
             custom_mask=self.custom_mask[: n * key.tree_cols].view(n, key.tree_cols) if key.tree_cols else None,
             capture_hidden_mode=mode.capture_hidden,
             logits_indices=self.logits_indices[:bs] if mode.logits_at_rows else None,
-            spec_info=SpecInput(self.hidden_states[:n]) if mode.draft_input else None,
+            spec_info=self._spec_input(n, mode),
             global_num_tokens=None if self.dp_size is None else [n] * self.dp_size,
             global_forward_mode=None if self.dp_size is None else key.mode,
         )
@@ -266,28 +291,23 @@ class CudaGraphRunner:
         ]
         self.max_bs = self.batch_sizes[-1]
         self.max_tokens_per_req = max(spec.tokens_per_req for spec in self.modes.values())
-        needs_hidden = any(spec.draft_input or spec.capture_hidden != CaptureHiddenMode.NULL for spec in self.modes.values())
-        if needs_hidden and hidden is None:
-            raise ValueError("modes with hidden states need the hidden size and dtype")
-        self.hidden = hidden
+        draft_input = any(spec.draft_input for spec in self.modes.values())
+        if draft_input and hidden is None:
+            raise ValueError("modes with draft inputs need the hidden size and dtype")
         self.inputs = StaticInputs(
             self.max_bs,
             self.max_tokens_per_req,
             model_runner.device,
             dp_size,
             max(cols for spec in self.modes.values() for cols in spec.tree_cols),
-            hidden if any(spec.draft_input for spec in self.modes.values()) else None,
+            hidden if draft_input else None,
         )
         # Graphs bake in this table's address; a batch over a replaced table runs eagerly.
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self.out_logits: Optional[torch.Tensor] = None
-        self.out_hidden: Optional[torch.Tensor] = None
-
-    @staticmethod
-    def _output_rows(mode: CapturedMode, batch_size: int, num_tokens: int) -> int:
-        """Rows of logits (and of captured hidden states) a forward returns."""
-        return batch_size if mode.logits_at_rows else num_tokens
+        # Per mode, the static buffers its graphs copy their outputs into, each with its rows
+        # per request (sized for the largest batch; a replay's outputs are their first rows).
+        self.outputs: dict[ForwardMode, list[tuple[torch.Tensor, int]]] = {}
 
     # ------------------------------------------------------------------ choice
     def key_for(self, fb: ForwardBatch) -> Optional[GraphKey]:
@@ -373,20 +393,31 @@ class CudaGraphRunner:
             used / _MIB,
         )
 
-    def _run(self, fb: ForwardBatch, key: GraphKey) -> LogitsProcessorOutput:
-        """The captured work: metadata from device tensors, then the model."""
+    def captured_forward(self, fb: ForwardBatch) -> LogitsProcessorOutput:
+        """One forward as a graph holds it: metadata from device tensors, then the model.
+        Every captured batch gives each request the same number of tokens."""
         runner = self.model_runner
         runner.attach(fb)
-        runner.attn_backend.init_forward_metadata_graph(fb, key.tokens_per_req)
+        runner.attn_backend.init_forward_metadata_graph(fb, fb.num_tokens // fb.batch_size)
         return runner.model.forward(fb.input_ids, fb.positions, fb)
 
-    def allocate_outputs(self, warm: LogitsProcessorOutput, device: torch.device) -> None:
-        """Output buffers for the largest key of every mode (called at the first capture)."""
-        rows = max(self._output_rows(self.modes[k.mode], k.batch_size, k.num_tokens) for k in self.keys)
-        self.out_logits = torch.empty((rows, warm.next_token_logits.shape[1]), dtype=torch.float32, device=device)
-        if any(spec.capture_hidden != CaptureHiddenMode.NULL for spec in self.modes.values()):
-            hidden_size, dtype = self.hidden
-            self.out_hidden = torch.empty((self.max_bs * self.max_tokens_per_req, hidden_size), dtype=dtype, device=device)
+    def _run(self, fb: ForwardBatch, key: GraphKey) -> tuple[torch.Tensor, ...]:
+        """The captured work of key's mode: its program, or one forward (logits[, hidden])."""
+        program = self.modes[key.mode].program
+        if program is not None:
+            return program(fb, self.captured_forward)
+        out = self.captured_forward(fb)
+        return (out.next_token_logits,) if out.hidden_states is None else (out.next_token_logits, out.hidden_states)
+
+    def ensure_outputs(self, key: GraphKey, warm: tuple[torch.Tensor, ...]) -> None:
+        """The static output buffers of key's mode, shaped after a warm-up run's outputs."""
+        if key.mode in self.outputs:
+            return
+        buffers = []
+        for t in warm:
+            per_req = t.shape[0] // key.batch_size
+            buffers.append((t.new_empty((self.max_bs * per_req, *t.shape[1:])), per_req))
+        self.outputs[key.mode] = buffers
 
     def _capture_one(self, key: GraphKey, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
         fb = self.inputs.padding_batch(key, self.modes[key.mode])
@@ -395,8 +426,7 @@ class CudaGraphRunner:
             for _ in range(2):  # compile kernels and create library workspaces outside the capture
                 warm = self._run(fb, key)
         torch.cuda.current_stream().wait_stream(stream)
-        if self.out_logits is None:
-            self.allocate_outputs(warm, fb.input_ids.device)
+        self.ensure_outputs(key, warm)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             self.run_into_outputs(fb, key)
@@ -404,17 +434,17 @@ class CudaGraphRunner:
 
     def run_into_outputs(self, fb: ForwardBatch, key: GraphKey) -> None:
         """What a graph holds: the captured work, its outputs copied into the static buffers."""
-        out = self._run(fb, key)
-        self.out_logits[: out.next_token_logits.shape[0]].copy_(out.next_token_logits)
-        if out.hidden_states is not None:
-            self.out_hidden[: out.hidden_states.shape[0]].copy_(out.hidden_states)
+        for (buffer, _), out in zip(self.outputs[key.mode], self._run(fb, key)):
+            buffer[: out.shape[0]].copy_(out)
 
     # ------------------------------------------------------------------ replay
-    def replay(self, fb: ForwardBatch, key: GraphKey) -> LogitsProcessorOutput:
-        """Run fb through the graph of key (from key_for); outputs are fresh tensors."""
+    def replay(self, fb: ForwardBatch, key: GraphKey) -> Union[LogitsProcessorOutput, tuple[torch.Tensor, ...]]:
+        """Run fb through the graph of key (from key_for); outputs are fresh tensors: the
+        program's outputs, or the forward's logits (and hidden states)."""
         mode = self.modes[key.mode]
         self.inputs.load(fb, key, mode)
         self.graphs[key].replay()
-        rows = self._output_rows(mode, fb.batch_size, fb.num_tokens)
-        hidden = None if mode.capture_hidden == CaptureHiddenMode.NULL else self.out_hidden[:rows].clone()
-        return LogitsProcessorOutput(next_token_logits=self.out_logits[:rows].clone(), hidden_states=hidden)
+        outs = tuple(buffer[: fb.batch_size * per_req].clone() for buffer, per_req in self.outputs[key.mode])
+        if mode.program is not None:
+            return outs
+        return LogitsProcessorOutput(next_token_logits=outs[0], hidden_states=outs[1] if len(outs) > 1 else None)

@@ -26,6 +26,7 @@ from sglang.srt.model_executor.cuda_graph_runner import (
     CapturedMode,
     CudaGraphRunner,
     GraphCapturableBackend,
+    GraphProgram,
     capture_batch_sizes,
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -54,14 +55,17 @@ class ModelRunner:
         gathered_buffer: Optional[torch.Tensor] = None,
         is_draft: bool = False,
         embed_and_head: Optional[tuple[nn.Parameter, nn.Parameter]] = None,
+        draft_loop: Optional[GraphProgram] = None,
     ):
         """A draft runner (is_draft) passes the target's req_to_token_pool and allocator (shared
-        slots), under DP attention the target's gathered buffer (one buffer per rank), and the
-        target's embedding and LM head, which its model uses instead of its own."""
+        slots), under DP attention the target's gathered buffer (one buffer per rank), the
+        target's embedding and LM head, which its model uses instead of its own, and the draft
+        loop that its CUDA graphs capture."""
         self.model_config = model_config
         self.server_args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.is_draft = is_draft
+        self.draft_loop = draft_loop
         self.spec_sizes = SpecSizes.from_server_args(server_args) if server_args.speculative_algorithm else None
         # KV heads are sharded over the attention-TP group (all of TP unless DP attention).
         self.attn_tp_size = server_args.attn_tp_size
@@ -189,7 +193,7 @@ class ModelRunner:
             logger.info("CUDA graphs off: %s", reason)
             return {}
         if self.spec_sizes is not None:
-            return self.spec_sizes.captured_modes(self.is_draft)
+            return self.spec_sizes.captured_modes(self.is_draft, self.draft_loop)
         return {ForwardMode.DECODE: CapturedMode(1)}
 
     def _make_graph_runner(self) -> Optional[CudaGraphRunner]:
@@ -223,11 +227,22 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         """Replay a captured graph when the batch fits one, else run eagerly."""
+        return self.run(forward_batch)
+
+    @torch.inference_mode()
+    def run_program(self, forward_batch: ForwardBatch, program: GraphProgram) -> tuple[torch.Tensor, ...]:
+        """Several forwards as one unit (e.g. the draft loop): its graph when the batch fits
+        one captured with this program, else the program over eager forwards."""
+        return self.run(forward_batch, program)
+
+    def run(self, forward_batch: ForwardBatch, program: Optional[GraphProgram] = None):
         self.attach(forward_batch)
         if self.graph_runner is not None:
             key = self.graph_runner.key_for(forward_batch)
-            if key is not None:
+            if key is not None and self.graph_runner.modes[key.mode].program == program:
                 return self.graph_runner.replay(forward_batch, key)
+        if program is not None:
+            return program(forward_batch, self.forward_eager)
         return self.forward_eager(forward_batch)
 
     @torch.inference_mode()

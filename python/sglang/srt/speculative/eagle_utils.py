@@ -1,4 +1,4 @@
-"""Draft tree bookkeeping and tree verification (pure functions, no model calls).
+"""Draft tree bookkeeping and tree verification (no model calls).
 
 Vocabulary used throughout, per request:
 - candidate: a drafted token with a cumulative draft score (product of draft probabilities
@@ -7,6 +7,11 @@ Vocabulary used throughout, per request:
 - verify tree: node 0 is the request's last sampled token (the root, whose target KV is not
   written yet); nodes 1..n-1 are the chosen candidates in candidate order, so parents precede
   children.
+- acceptance: the nodes whose KV the request keeps, one per emitted token: emitted token j
+  is the target's choice at node nodes[j] (nodes[0] is the root).
+
+The tree and the greedy acceptance are built on the device from shapes alone (no host
+reads), so they run inside CUDA graphs and a greedy cycle reads the device once, at its end.
 """
 
 from __future__ import annotations
@@ -14,8 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from sglang.srt.utils.transfer import to_host
 
 
 def select_step_inputs(
@@ -31,56 +34,85 @@ def select_step_inputs(
 
 
 @dataclass
-class VerifyTree:
-    """Verify trees of a batch, on the host (small: bs x num_draft_tokens)."""
+class DraftTree:
+    """The verify trees of a batch without their roots, on the device."""
 
-    tokens: list[list[int]]  # [bs][n] node tokens (node 0: the root)
-    parents: list[list[int]]  # [bs][n] parent node (-1 for the root)
-    depths: list[list[int]]  # [bs][n] depth (0 for the root)
+    tokens: torch.Tensor  # [bs, n - 1] tokens of nodes 1..n-1
+    parents: torch.Tensor  # [bs, n] parent node (the root is its own parent)
+    depths: torch.Tensor  # [bs, n] (0 for the root)
+    mask: torch.Tensor  # [bs, n, n] bool: node a sees node c iff c is a or an ancestor of a
 
-    def ancestor_masks(self) -> torch.Tensor:
-        """[bs, n, n] bool (host): node a of request b sees node c iff c is a or an ancestor of a."""
-        parents = torch.tensor(self.parents).clamp_(min=0)  # the root stands in for its own parent
-        bs, n = parents.shape
-        itself = torch.eye(n, dtype=torch.bool).expand(bs, n, n)
-        mask, parent_rows = itself, parents.unsqueeze(-1).expand(bs, n, n)
-        for _ in range(max(max(d) for d in self.depths)):  # each pass adds one more generation
-            mask = itself | mask.gather(1, parent_rows)
-        return mask
+    def as_tuple(self) -> tuple[torch.Tensor, ...]:
+        return self.tokens, self.parents, self.depths, self.mask
 
 
-def build_verify_tree(
-    root_tokens: list[int],
-    cand_scores: torch.Tensor,
-    cand_tokens: torch.Tensor,
-    cand_parents: torch.Tensor,
-    num_draft_tokens: int,
-) -> VerifyTree:
-    """Keep the num_draft_tokens - 1 best candidates per request (plus the root).
+def build_draft_tree(
+    cand_scores: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor, num_nodes: int, max_depth: int
+) -> DraftTree:
+    """Keep the num_nodes - 1 best candidates per request (plus the root).
 
-    root_tokens: [bs] (host); cand_*: [bs, M]. A child's score never exceeds its parent's and
-    a parent's number is smaller, so a stable descending sort ranks every parent before its
-    children: the kept set is closed under ancestors. One read of the device.
+    cand_*: [bs, M]. A child's score never exceeds its parent's and a parent's number is
+    smaller, so a stable descending sort ranks every parent before its children: the kept
+    set is closed under ancestors. max_depth bounds every node's depth (the draft steps).
     """
-    order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, : num_draft_tokens - 1]
+    bs, device = cand_scores.shape[0], cand_scores.device
+    order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, : num_nodes - 1]
     chosen = order.sort(dim=1).values
-    chosen_l, tokens_l, parents_l = to_host(chosen, cand_tokens.gather(1, chosen), cand_parents.gather(1, chosen))
-    tokens = [[root] + toks for root, toks in zip(root_tokens, tokens_l)]
-    all_parents, all_depths = [], []
-    for cands, cand_par in zip(chosen_l, parents_l):
-        node_of = {c: i + 1 for i, c in enumerate(cands)}
-        parents, depths = [-1], [0]
-        for p in cand_par:
-            node = 0 if p < 0 else node_of[p]
-            parents.append(node)
-            depths.append(depths[node] + 1)
-        all_parents.append(parents)
-        all_depths.append(depths)
-    return VerifyTree(tokens, all_parents, all_depths)
+    parent_cand = cand_parents.gather(1, chosen)
+    nodes = torch.arange(num_nodes, device=device)
+    node_of = torch.zeros_like(cand_parents).scatter_(1, chosen, nodes[1:].expand(bs, -1))
+    parent_node = torch.where(parent_cand < 0, 0, node_of.gather(1, parent_cand.clamp(min=0)))
+    parents = torch.cat([torch.zeros_like(parent_node[:, :1]), parent_node], dim=1)
+    depths = (nodes > 0).long().expand(bs, -1)
+    itself = torch.eye(num_nodes, dtype=torch.bool, device=device).expand(bs, -1, -1)
+    mask, parent_rows = itself, parents.unsqueeze(-1).expand(-1, -1, num_nodes)
+    for _ in range(max_depth):  # each pass reaches one generation further up
+        depths = torch.where(nodes > 0, depths.gather(1, parents) + 1, 0)
+        mask = itself | mask.gather(1, parent_rows)
+    return DraftTree(cand_tokens.gather(1, chosen), parents, depths, mask)
+
+
+@dataclass
+class Acceptance:
+    """What one verify keeps per request, on the device; `width` = steps + 1 columns."""
+
+    accept_len: torch.Tensor  # [bs] accepted draft tokens (emitted tokens - 1)
+    nodes: torch.Tensor  # [bs, width] node of each emitted token; past accept_len: the last node
+    emitted: torch.Tensor  # [bs, width] target's token at nodes[j]; past accept_len: 0
+
+
+def greedy_accept(tree: DraftTree, tokens: torch.Tensor, target_tokens: torch.Tensor, width: int) -> Acceptance:
+    """Greedy verification: a node is kept iff its token and every ancestor's equal the
+    target's argmax at their parents. Siblings hold distinct tokens, so the kept nodes are
+    one path from the root (what walk_tree picks with one-hot probabilities).
+
+    tokens: [bs, n] node tokens (root included); target_tokens: [bs, n] argmax at each node.
+    """
+    match = tokens == target_tokens.gather(1, tree.parents)
+    match[:, 0] = True
+    kept = ~(tree.mask & ~match.unsqueeze(1)).any(dim=-1)
+    accept_len = kept.sum(dim=1) - 1
+    return _acceptance(kept, tree.depths, accept_len, target_tokens, width)
+
+
+def _acceptance(
+    kept: torch.Tensor, depths: torch.Tensor, accept_len: torch.Tensor, target_tokens: torch.Tensor, width: int
+) -> Acceptance:
+    columns = torch.arange(width, device=kept.device)
+    at_depth = torch.where(kept, depths, -1).unsqueeze(1) == columns.view(1, -1, 1)  # [bs, width, n]
+    nodes = at_depth.int().argmax(dim=-1)
+    nodes = torch.where(at_depth.any(dim=-1), nodes, nodes.gather(1, accept_len.view(-1, 1)))
+    emitted = torch.where(columns <= accept_len.view(-1, 1), target_tokens.gather(1, nodes), 0)
+    return Acceptance(accept_len, nodes, emitted)
+
+
+def non_finite_requests(logits: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """[bs] bool: whether any verify logit of request b (its rows b*n .. b*n+n-1) is not finite."""
+    return (~torch.isfinite(logits).view(batch_size, -1)).any(dim=1)
 
 
 def walk_tree(parents: list[int], child_prob: list[float], uniforms: list[float]) -> tuple[list[int], list[int]]:
-    """Tree speculative sampling with deterministic draft proposals (lossless).
+    """Tree speculative sampling with deterministic draft proposals (lossless), on the host.
 
     At the current node with target distribution p, children are tried in order: child c
     (token x) is accepted with probability p(x) / (mass not yet rejected at this node);

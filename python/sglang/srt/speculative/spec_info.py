@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -17,16 +18,29 @@ class SpecInput:
     """
 
     hidden_states: torch.Tensor  # [num_tokens, hidden]
+    scores: Optional[torch.Tensor] = None  # [num_tokens] float32 cumulative draft score (draft loop)
 
 
-@dataclass
-class DraftState:
-    """Per request, after its latest draft extend: the draft's guesses for the next token.
+class DraftStates:
+    """Per request row, after its latest draft extend: the draft's top-k guesses for the next
+    token and its hidden state at the last position (on the device, one row per row of the
+    request->token table, so a batch gathers its states with one index).
 
     Invariant: the draft KV covers the same positions as the target KV (0 .. kv_len-1), draft
-    position j having consumed token j+1; topk_* come from the draft's last position.
-    """
+    position j having consumed token j+1; the guesses come from the draft's last position."""
 
-    topk_p: torch.Tensor  # [topk] draft probabilities of the candidates
-    topk_index: torch.Tensor  # [topk] candidate token ids
-    hidden: torch.Tensor  # [hidden] draft output hidden state at the last position
+    def __init__(self, rows: int, topk: int, hidden_size: int, dtype: torch.dtype, device: str):
+        self.probs = torch.zeros((rows, topk), dtype=torch.float32, device=device)
+        self.tokens = torch.zeros((rows, topk), dtype=torch.int64, device=device)
+        self.hidden = torch.zeros((rows, hidden_size), dtype=dtype, device=device)
+
+    def store(self, rows: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The draft's logits [len(rows), vocab] and hidden states at each row's last position."""
+        probs, tokens = torch.topk(torch.softmax(logits, dim=-1), self.probs.shape[1], dim=-1)
+        self.probs.index_copy_(0, rows, probs)
+        self.tokens.index_copy_(0, rows, tokens)
+        self.hidden.index_copy_(0, rows, hidden.to(self.hidden.dtype))
+
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(probs [bs, topk], tokens [bs, topk], hidden [bs, hidden]) of the given rows."""
+        return self.probs[rows], self.tokens[rows], self.hidden[rows]

@@ -5,7 +5,7 @@ every rank must run the same sequence of sub-forwards with the same per-rank row
 Both follow from the iteration's one plan all-gather (GlobalPlan), on every rank alike:
 
   extend phase (if any DP rank prefills):   target extend, draft extend   (1 row per token)
-  decode phase (if any DP rank decodes):    draft step x (steps - 1)      (topk per request)
+  decode phase (if any DP rank decodes):    draft loop: steps - 1 forwards (topk per request each)
                                             target verify                 (num_draft_tokens per request)
                                             draft extend                  (steps + 1 per request)
 
@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
-from sglang.srt.model_executor.cuda_graph_runner import CapturedMode
+from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, GraphProgram
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 
 
 class SubForward(enum.Enum):
     TARGET_EXTEND = "target_extend"
     DRAFT_EXTEND_PREFILL = "draft_extend_prefill"
-    DRAFT_STEP = "draft_step"
+    DRAFT_LOOP = "draft_loop"  # steps - 1 draft forwards of the same rows
     TARGET_VERIFY = "target_verify"
     DRAFT_EXTEND = "draft_extend"
 
@@ -59,14 +59,10 @@ class SpecSizes:
         """Request->token table columns a cycle uses past a request's KV."""
         return max(self.decode_kv_need_per_req, self.draft_extend_rows)
 
-    @property
-    def draft_tree_widths(self) -> tuple[int, ...]:
-        """Tree-mask columns of each draft step: step t's k tokens see a tree of (t + 1) k."""
-        return tuple((t + 1) * self.topk for t in range(self.steps - 1))
-
-    def captured_modes(self, is_draft: bool) -> dict[ForwardMode, CapturedMode]:
-        """The sub-forwards a CUDA graph captures: target verify on the target; every draft
-        step (one graph per tree width) and the draft extend after verify on the draft."""
+    def captured_modes(self, is_draft: bool, draft_loop: Optional[GraphProgram] = None) -> dict[ForwardMode, CapturedMode]:
+        """The sub-forwards a CUDA graph captures: target verify on the target; the whole
+        draft loop (its first step's batch: topk tokens per request, a topk-wide tree mask)
+        and the draft extend after verify on the draft."""
         if not is_draft:
             n = self.num_draft_tokens
             return {ForwardMode.TARGET_VERIFY: CapturedMode(n, (n,), CaptureHiddenMode.FULL)}
@@ -75,8 +71,11 @@ class SpecSizes:
                 self.draft_extend_rows, capture_hidden=CaptureHiddenMode.LAST, draft_input=True, logits_at_rows=True
             )
         }
-        if self.steps > 1:  # one graph per draft step's tree width
-            modes[ForwardMode.DRAFT_DECODE] = CapturedMode(self.topk, self.draft_tree_widths, CaptureHiddenMode.FULL, draft_input=True)
+        if self.steps > 1:
+            assert draft_loop is not None, "a draft with draft steps captures its loop"
+            modes[ForwardMode.DRAFT_DECODE] = CapturedMode(
+                self.topk, (self.topk,), CaptureHiddenMode.FULL, draft_input=True, draft_scores=True, program=draft_loop
+            )
         return modes
 
 
@@ -104,13 +103,14 @@ class SpecIterationPlan:
         return cls(sizes, (num_tokens,) if is_extend else None, None if is_extend else (num_reqs,), False)
 
     def rows(self, kind: SubForward) -> tuple[int, ...]:
-        """Rows each DP rank feeds the model in one sub-forward of this kind."""
+        """Rows each DP rank feeds the model in one sub-forward of this kind (in each forward
+        of the draft loop)."""
         if kind in (SubForward.TARGET_EXTEND, SubForward.DRAFT_EXTEND_PREFILL):
             assert self.extend_tokens is not None
             return self.extend_tokens
         assert self.decode_reqs is not None
         per_req = {
-            SubForward.DRAFT_STEP: self.sizes.topk,
+            SubForward.DRAFT_LOOP: self.sizes.topk,
             SubForward.TARGET_VERIFY: self.sizes.num_draft_tokens,
             SubForward.DRAFT_EXTEND: self.sizes.draft_extend_rows,
         }[kind]
@@ -128,7 +128,8 @@ class SpecIterationPlan:
     def decode_phase(self) -> list[SubForward]:
         if self.decode_reqs is None:
             return []
-        return [SubForward.DRAFT_STEP] * (self.sizes.steps - 1) + [SubForward.TARGET_VERIFY, SubForward.DRAFT_EXTEND]
+        loop = [SubForward.DRAFT_LOOP] if self.sizes.steps > 1 else []
+        return loop + [SubForward.TARGET_VERIFY, SubForward.DRAFT_EXTEND]
 
     def sub_forwards(self) -> list[SubForward]:
         """The sequence every rank runs this iteration, in order."""

@@ -1,0 +1,87 @@
+"""The draft steps of one decode cycle as one unit: run eagerly, or captured as one CUDA graph.
+
+The loop is a GraphProgram of the draft runner: it reads only its first step's batch (static
+buffers under a graph) and derives every later step's batch on the device, so the whole loop,
+and the verify tree built from its candidates, replays without the host.
+
+First step's batch, per request with KV length L (topk input tokens: the guesses of the
+latest draft extend, depth 1):
+- positions L, seq_lens L + topk, a tree mask that shows each guess itself;
+- out_cache_loc: the step's scratch slots (the dummy slot 0 for padded rows). The request's
+  table row holds step t's scratch slots at columns L + t * topk .. L + (t + 1) * topk - 1;
+- spec_info: the draft's last hidden state (per guess) and each guess's probability.
+Step t (t >= 1) feeds the topk best children of step t - 1 at positions L + t; its tree mask
+shows each input its ancestors among the inputs of steps 0..t (columns L .. L + (t + 1) * topk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from sglang.srt.model_executor.cuda_graph_runner import PAD_KV_SLOT, ForwardFn
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.speculative.eagle_utils import build_draft_tree, select_step_inputs
+from sglang.srt.speculative.spec_info import SpecInput
+
+
+@dataclass(frozen=True)
+class DraftLoop:
+    steps: int
+    topk: int
+    num_draft_tokens: int
+    max_position: int  # positions past the context are never emitted; they are clamped
+
+    def __call__(self, fb: ForwardBatch, forward: ForwardFn) -> tuple[torch.Tensor, ...]:
+        """Runs steps - 1 draft forwards; returns the verify tree (DraftTree.as_tuple())."""
+        bs, k, device = fb.batch_size, self.topk, fb.input_ids.device
+        scores, tokens = fb.spec_info.scores.view(bs, k), fb.input_ids.view(bs, k)
+        cand_scores, cand_tokens = [scores], [tokens]
+        cand_parents = [torch.full((bs, k), -1, dtype=torch.int64, device=device)]
+        input_cand = torch.arange(k, device=device).expand(bs, k)  # candidate number of each input
+        itself = torch.eye(k, dtype=torch.bool, device=device).expand(bs, k, k)
+        ancestors, arange_bs = itself, torch.arange(bs, device=device).view(-1, 1)
+        step = fb
+        for t in range(self.steps - 1):
+            out = forward(step)
+            child_p, child_tok = torch.topk(torch.softmax(out.next_token_logits, dim=-1), k, dim=-1)
+            child_scores = (scores.view(bs, k, 1) * child_p.view(bs, k, k)).flatten(1)
+            child_tok = child_tok.view(bs, k * k)
+            cand_scores.append(child_scores)
+            cand_tokens.append(child_tok)
+            cand_parents.append(input_cand.repeat_interleave(k, dim=1))
+            if t == self.steps - 2:
+                break
+            scores, tokens, flat = select_step_inputs(child_scores, child_tok, k)
+            parent_input = flat // k
+            input_cand = k + t * k * k + flat
+            hidden = out.hidden_states.unflatten(0, (bs, k))[arange_bs, parent_input].flatten(0, 1)
+            ancestors = torch.cat([ancestors[arange_bs, parent_input], itself], dim=2)
+            step = self._next_step(fb, t + 1, tokens, hidden, ancestors)
+        tree = build_draft_tree(
+            torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1),
+            self.num_draft_tokens, self.steps,
+        )
+        return tree.as_tuple()
+
+    def _next_step(
+        self, first: ForwardBatch, t: int, tokens: torch.Tensor, hidden: torch.Tensor, ancestors: torch.Tensor
+    ) -> ForwardBatch:
+        """Step t's batch, derived from the first step's on the device."""
+        k = self.topk
+        kv_len = (first.seq_lens - k).repeat_interleave(k)
+        rows = first.req_pool_indices.repeat_interleave(k)
+        columns = kv_len + t * k + torch.arange(k, device=kv_len.device).repeat(first.batch_size)
+        slots = first.req_to_token_pool.req_to_token[rows, columns]
+        return replace(
+            first,
+            input_ids=tokens.flatten(),
+            positions=(first.positions + t).clamp(max=self.max_position),
+            # A padded row writes only the dummy slot, whatever its table row holds.
+            out_cache_loc=torch.where(first.out_cache_loc == PAD_KV_SLOT, PAD_KV_SLOT, slots),
+            seq_lens=first.seq_lens + t * k,
+            seq_lens_cpu=[s + t * k for s in first.seq_lens_cpu],
+            custom_mask=ancestors.flatten(0, 1),
+            spec_info=SpecInput(hidden),
+        )
