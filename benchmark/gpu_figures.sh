@@ -50,6 +50,15 @@ serving() {  # serving LABEL PROMPTS OUTPUT_LEN: held-out prompts at concurrency
   done
 }
 
+# The EAGLE head's directory under $MODELS, as train_tiny_models names it after its target.
+eagle_dir=$(python -c "from sglang.tools.train_tiny_models import eagle_dir_name; print(eagle_dir_name('$smollm2'))")
+
+prompts() {  # the held-out prompts of the training run (the same stdlib files), if missing
+  [ -f "$models/heldout_prompts.jsonl" ] || python -c "
+from sglang.tools.train_tiny_models import stdlib_sources, write_heldout_prompts
+write_heldout_prompts(stdlib_sources(None)[1], '$models/heldout_prompts.jsonl')"
+}
+
 train() {  # train OUT MODEL...: one training run of the given models into OUT
   local dir=$1
   shift
@@ -59,19 +68,19 @@ train() {  # train OUT MODEL...: one training run of the given models into OUT
 
 case $phase in
   train)
-    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-      CUDA_VISIBLE_DEVICES=0 train "$models" deepseek >"$out/train_deepseek.log" 2>&1 &
-      CUDA_VISIBLE_DEVICES=1 train "$models" eagle >"$out/train_eagle.log" 2>&1
-      wait $!
-    else
-      train "$models" deepseek eagle >"$out/train.log" 2>&1
-    fi
+    # Both models at once: on two GPUs one each, on one GPU side by side (both are small).
+    second_gpu=$(( $(nvidia-smi -L | wc -l) >= 2 ? 1 : 0 ))
+    CUDA_VISIBLE_DEVICES=0 train "$models" deepseek >"$out/train_deepseek.log" 2>&1 &
+    deepseek_pid=$!
+    CUDA_VISIBLE_DEVICES=$second_gpu train "$models" eagle >"$out/train_eagle.log" 2>&1
+    wait "$deepseek_pid"
     tail -n 5 "$out"/train*.log
-    tar -cf "$out/deepseek.tar" -C "$models" deepseek-v3-mtp
-    tar -cf "$out/eagle.tar" -C "$models" eagle-smollm2-135m-instruct
     cp "$models/heldout_prompts.jsonl" "$out/"
+    tar -cf "$out/deepseek.tar" -C "$models" deepseek-v3-mtp
+    tar -cf "$out/eagle.tar" -C "$models" "$eagle_dir"
     ;;
   nextn)
+    prompts
     serve "$models/deepseek-v3-mtp"
     serving deepseek_nospec "$models/heldout_prompts.jsonl" 256
     stop
@@ -83,13 +92,14 @@ case $phase in
   eagle)
     data=${MMLU_DIR:-/tmp/mmlu_synthetic}
     [ -d "$data" ] || python benchmark/mmlu/make_synthetic.py --out "$data" --num-test 100
+    prompts
     serve "$smollm2"
     python benchmark/mmlu/bench_sglang.py --data_dir "$data" --nsub 60 --parallel 64 --port "$port" \
       --result-file "$out/mmlu_smollm2_nospec.jsonl"
     serving smollm2_nospec "$models/heldout_prompts.jsonl" 256
     stop
     serve "$smollm2" --speculative-algorithm EAGLE \
-      --speculative-draft-model-path "$models/eagle-smollm2-135m-instruct" \
+      --speculative-draft-model-path "$models/$eagle_dir" \
       --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
     python benchmark/mmlu/bench_sglang.py --data_dir "$data" --nsub 60 --parallel 64 --port "$port" \
       --result-file "$out/mmlu_smollm2_eagle_3_1_4.jsonl"

@@ -58,12 +58,20 @@ def test_plain_decode_iteration_reads_the_device_once(tiny_llama_dir, batch_size
     assert c.uploads + c.transfers <= 3 * STEPS, c.sites
 
 
+def _reads_outside_reference_attention(c: SyncCounter) -> int:
+    """Under overlap a speculative cycle is queued with upper bounds of its KV lengths on the
+    host; the plain-PyTorch reference backend (CPU) then reads the exact ones, the Triton
+    backend (GPU) never does."""
+    return sum(n for site, n in c.sites.items() if site.startswith("read") and "torch_native_backend" not in site)
+
+
 @pytest.mark.parametrize("batch_size", [1, 4])
-def test_greedy_speculative_decode_cycle_reads_the_device_once(tiny_llama_dir, tmp_path, batch_size):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_greedy_speculative_decode_cycle_reads_the_device_once(tiny_llama_dir, tmp_path, batch_size, overlap):
     """Reads: accept lengths, emitted tokens and kept nodes, read together after the cycle's
-    last forward (one wait on a GPU). Transfers, whatever the batch size: three uploads (the
-    cycle's lengths; the draft loop's scratch and the verify's slots into the table) and the
-    allocator's host copies of the two sets of slots it frees."""
+    last forward (one wait on a GPU; with overlap scheduling, after the next cycle is queued).
+    Uploads, whatever the batch size: the table rows, the draft loop's scratch and the
+    verify's slots into the table; and the allocator's host copies of the slots it frees."""
     from sglang.test.spec_models import make_eagle_head
 
     head = make_eagle_head(tiny_llama_dir, str(tmp_path / "head"))
@@ -71,6 +79,8 @@ def test_greedy_speculative_decode_cycle_reads_the_device_once(tiny_llama_dir, t
         speculative_algorithm="EAGLE", speculative_draft_model_path=head, speculative_num_steps=3,
         speculative_eagle_topk=2, speculative_num_draft_tokens=4,
     )
-    c = _decode_crossings(start_scheduler(_args(tiny_llama_dir, **spec)), batch_size)
-    assert c.reads == 3 * STEPS, c.sites
+    args = _args(tiny_llama_dir, disable_overlap_schedule=not overlap, **spec)
+    c = _decode_crossings(start_scheduler(args), batch_size)
+    assert _reads_outside_reference_attention(c) == 3 * STEPS, c.sites
+    assert c.reads == 3 * STEPS or overlap, c.sites
     assert c.uploads + c.transfers <= 5 * STEPS, c.sites

@@ -21,6 +21,36 @@ def _scheduler(path: str, overlap: bool, **kw) -> Scheduler:
     return start_scheduler(args)
 
 
+def _eagle(head: str) -> dict:
+    return dict(
+        speculative_algorithm="EAGLE", speculative_draft_model_path=head, speculative_num_steps=3,
+        speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+    )
+
+
+@pytest.fixture(scope="module")
+def perfect_pair(tmp_path_factory) -> tuple[str, dict]:
+    """A target and an EAGLE head that reproduces it: every draft is accepted (cycles of 4
+    tokens), but the target's attention output is zero, so wrong KV would go unnoticed."""
+    from sglang.test.spec_models import make_perfect_llama_pair
+
+    target, head = make_perfect_llama_pair(str(tmp_path_factory.mktemp("overlap_perfect")))
+    return target, _eagle(head)
+
+
+@pytest.fixture(scope="module")
+def random_pair(tiny_llama_dir, tmp_path_factory) -> tuple[str, dict]:
+    """A random head for the tiny Llama: few drafts accepted, every token depends on the KV."""
+    from sglang.test.spec_models import make_eagle_head
+
+    return tiny_llama_dir, _eagle(make_eagle_head(tiny_llama_dir, str(tmp_path_factory.mktemp("overlap_head"))))
+
+
+@pytest.fixture(params=["perfect_pair", "random_pair"])
+def spec_pair(request) -> tuple[str, dict]:
+    return request.getfixturevalue(request.param)
+
+
 def _run(scheduler: Scheduler, params: list[SamplingParams], abort_after: dict[str, int] | None = None) -> dict[str, list[int]]:
     """Final output ids per request; abort_after[rid] = iteration at which rid is aborted."""
     for i, p in enumerate(params):
@@ -117,4 +147,66 @@ def test_abort_while_a_step_is_in_flight(tiny_llama_dir):
     out = _run(overlapped, params, abort_after={"r1": 4})
     assert out["r0"] == expected["r0"]
     assert out["r1"] == expected["r1"][: len(out["r1"])] and len(out["r1"]) < 12
+    _assert_all_kv_free(overlapped)
+
+
+# ---------------------------------------------------------------------- speculative cycles
+def test_next_cycle_is_queued_before_the_tokens_of_this_one_are_read(perfect_pair, monkeypatch):
+    from sglang.srt.speculative.eagle_worker import LaunchedCycle
+
+    target, spec = perfect_pair
+    scheduler = _scheduler(target, overlap=True, **spec)
+    events: list[str] = []
+    launch, resolve = scheduler.worker.launch, LaunchedCycle.resolve
+
+    def traced_launch(batch, plan=None):
+        step = launch(batch, plan)
+        events.append(f"launch {batch.mode.name}")
+        return step
+
+    def traced_resolve(step):
+        events.append("resolve")
+        return resolve(step)
+
+    monkeypatch.setattr(scheduler.worker, "launch", traced_launch)
+    monkeypatch.setattr(LaunchedCycle, "resolve", traced_resolve)
+    out = _run(scheduler, [SamplingParams(max_new_tokens=13, temperature=0.0, ignore_eos=True)])
+    assert len(out["r0"]) == 13
+    # Prefill: 1 token (read at once); cycles of 4 tokens bring 5, 9 and 13. Each cycle is
+    # queued before the previous one is read, and nothing is queued after the one that may end
+    # the request (9 tokens so far + up to 4 in flight >= 13).
+    assert events == ["launch EXTEND", "launch DECODE", "launch DECODE", "resolve", "launch DECODE", "resolve", "resolve"]
+    _assert_all_kv_free(scheduler)
+
+
+def test_speculative_outputs_match_sequential_scheduling(spec_pair):
+    target, spec = spec_pair
+    sequential = _scheduler(target, overlap=False, **spec)
+    plain = _run(sequential, [SamplingParams(max_new_tokens=9, temperature=0.0, ignore_eos=True)])["r0"]
+    stop_token = next(t for j, t in enumerate(plain) if j >= 2 and t not in plain[:j])
+    expected = _run(sequential, _mixed_params(stop_token))
+    assert expected["r0"] == plain[: plain.index(stop_token) + 1]
+    overlapped = _scheduler(target, overlap=True, **spec)
+    assert _run(overlapped, _mixed_params(stop_token)) == expected
+    _assert_all_kv_free(overlapped)
+
+
+@pytest.mark.parametrize("engine_args", [{"chunked_prefill_size": 4}, {"max_total_tokens": 64, "max_running_requests": 4}])
+def test_speculative_chunked_prefill_and_retraction_match_sequential(spec_pair, engine_args):
+    target, spec = spec_pair
+    params = [SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True) for _ in range(4)]
+    expected = _run(_scheduler(target, overlap=False, **spec, **engine_args), params)
+    overlapped = _scheduler(target, overlap=True, **spec, **engine_args)
+    assert _run(overlapped, params) == expected
+    _assert_all_kv_free(overlapped)
+
+
+def test_speculative_abort_while_a_cycle_is_in_flight(spec_pair):
+    target, spec = spec_pair
+    params = [SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True) for _ in range(2)]
+    expected = _run(_scheduler(target, overlap=False, **spec), params)
+    overlapped = _scheduler(target, overlap=True, **spec)
+    out = _run(overlapped, params, abort_after={"r1": 3})
+    assert out["r0"] == expected["r0"]
+    assert out["r1"] == expected["r1"][: len(out["r1"])] and len(out["r1"]) < 24
     _assert_all_kv_free(overlapped)

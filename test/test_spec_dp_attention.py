@@ -124,15 +124,15 @@ def _start_scheduler(rank: int, server_args: ServerArgs, port_args: PortArgs) ->
 def _drive(scheduler: Scheduler, run: list[tuple], record: list[dict]) -> None:
     """Iterate in lockstep with the other rank until every rank is idle after the last arrival."""
     worker = scheduler.spec_worker
-    generate = worker.forward_batch_generation
+    launch = worker.launch
     batches: list[tuple[ForwardMode, int]] = []
 
     def recorded(batch, plan=None):
         batches.append((batch.mode, len(batch.reqs)))
-        return generate(batch, plan)
+        return launch(batch, plan)
 
     last_arrival = max(r[0] for r in run)
-    with mock.patch.object(worker, "forward_batch_generation", recorded):
+    with mock.patch.object(worker, "launch", recorded):
         for it in range(10_000):
             for _, _, rid, prompt, max_new in [r for r in run if r[0] == it and r[1] == scheduler.dp_rank]:
                 params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)

@@ -36,6 +36,7 @@ class LocalPlan:
     num_tokens: int = 0  # rows this rank feeds the model in the main forward
     num_reqs: int = 0
     is_extend: int = 0  # 1 when this rank runs a prefill batch
+    has_work: int = 0  # 1 when this rank holds requests (queued, running or in flight)
 
     @classmethod
     def width(cls) -> int:
@@ -61,7 +62,14 @@ class GlobalPlan:
 
     @property
     def all_idle(self) -> bool:
+        """No rank runs a batch this iteration."""
         return all(p.num_reqs == 0 for p in self.per_rank)
+
+    @property
+    def any_work(self) -> bool:
+        """Some rank holds requests, possibly none scheduled this iteration (e.g. waiting
+        for a step in flight that may end them)."""
+        return any(p.has_work for p in self.per_rank)
 
 
 class SchedulerComm:

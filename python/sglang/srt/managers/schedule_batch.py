@@ -146,15 +146,16 @@ class ScheduleBatch:
         positions = [r.full_len - 1 for r in reqs]
         seq_lens = [r.full_len for r in reqs]
         batch = cls(ForwardMode.DECODE, reqs, input_ids, positions, None, seq_lens, [1] * len(reqs), positions)
-        dst = [i for i, r in enumerate(reqs) if r.in_flight]
-        if dst:
-            assert future is not None, "a request has a token in flight but no step is in flight"
-            batch.future, batch.future_dst = future, dst
-            batch.future_src = [future.index[reqs[i].rid] for i in dst]
+        # A speculative worker reads its inputs from its own request states (future None).
+        batch.future_dst = [i for i, r in enumerate(reqs) if r.in_flight]
+        if batch.future_dst and future is not None:
+            batch.future = future
+            batch.future_src = [future.index[reqs[i].rid] for i in batch.future_dst]
         return batch
 
     def to_forward_batch(self, device: str) -> ForwardBatch:
         """The batch's host lists reach the device through one upload."""
+        assert self.future is not None or not self.future_dst, "a token in flight, but no step in flight holds it"
         input_ids, positions, req_pool_indices, seq_lens, extend_seq_lens, dst, src = upload(
             [
                 self.input_ids,

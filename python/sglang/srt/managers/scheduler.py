@@ -95,9 +95,9 @@ class Scheduler:
         self.chunk_size = None if no_chunking else runner.prefill_token_budget()
 
         # Overlap scheduling: the next step is scheduled and queued while the device still runs
-        # this one (whose tokens the next decode step reads on the device). Speculative workers
-        # wait for their tokens inside each cycle, so they run one step at a time.
-        self.overlap = not server_args.disable_overlap_schedule and self.spec_worker is None
+        # this one (whose tokens the next decode step reads on the device; a speculative cycle
+        # reads its roots and KV lengths from the request states the previous cycle left there).
+        self.overlap = not server_args.disable_overlap_schedule
         self.in_flight: Optional[tuple[ScheduleBatch, LaunchedStep]] = None
 
         self.waiting: list[Req] = []
@@ -151,10 +151,12 @@ class Scheduler:
         while True:
             self.run_iteration()
 
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req or self.in_flight)
+
     def run_iteration(self) -> None:
         self.iterations += 1
-        has_work = bool(self.waiting or self.running or self.chunked_req or self.in_flight)
-        for msg in self.comm.broadcast_requests(self.recv_requests(block=not has_work and self.globally_idle)):
+        for msg in self.comm.broadcast_requests(self.recv_requests(block=not self.has_work() and self.globally_idle)):
             self.handle_message(msg)
         if not self.can_overlap():
             self.finish_in_flight()
@@ -205,10 +207,11 @@ class Scheduler:
             num_tokens=len(batch.input_ids) if batch else 0,
             num_reqs=len(batch.reqs) if batch else 0,
             is_extend=int(batch is not None and batch.mode == ForwardMode.EXTEND),
+            has_work=int(self.has_work()),
         )
         plan = self.comm.gather_plan(local)
         self.forward_started_at = None
-        self.globally_idle = plan.all_idle
+        self.globally_idle = not plan.any_work
         if plan.all_idle:
             return None, None
         batch = batch or ScheduleBatch.idle()
@@ -325,15 +328,17 @@ class Scheduler:
         need = self.worker.decode_kv_need_per_req()
         while self.free_kv_tokens() < need * len(self.running) and len(self.running) > 1:
             self.retract(self.running[-1])
-        # A request whose token in flight is its last needs no further step.
-        reqs = [r for r in self.running if not (r.in_flight and self.ends_by_length(r))]
+        # A request whose step in flight may be its last (by length) waits for that step.
+        reqs = [r for r in self.running if not (r.in_flight and self.may_end_by_length(r))]
         if not reqs:
             return None
         return ScheduleBatch.for_decode(reqs, self.in_flight[1].future_tokens() if self.in_flight else None)
 
-    def ends_by_length(self, req: Req) -> bool:
-        """Whether the request is done once its tokens in flight arrive, whatever they are."""
-        return len(req.output_ids) + req.in_flight >= req.sampling_params.max_new_tokens or req.full_len >= self.context_len
+    def may_end_by_length(self, req: Req) -> bool:
+        """Whether the request may be done once its steps in flight arrive, whatever their
+        tokens are (a plain step brings one token, a speculative cycle up to steps + 1)."""
+        most = req.in_flight * self.worker.max_tokens_per_step()
+        return len(req.output_ids) + most >= req.sampling_params.max_new_tokens or req.seq_len + most >= self.context_len
 
     def retract(self, req: Req) -> None:
         """Out of KV for decoding: send the newest request back to the queue (it re-prefills)."""
@@ -348,14 +353,15 @@ class Scheduler:
         """Queue the batch's forward; its KV positions count at once, its tokens are in flight."""
         self.forward_started_at = time.monotonic()
         if self.spec_worker is not None:
-            step = LaunchedStep(self.spec_worker.forward_batch_generation(batch, plan))
+            step = self.spec_worker.launch(batch, plan)
             if plan is not None and self.server_args.debug_collectives:
                 self.check_sub_forwards(plan)
         else:
             step = self.worker.launch(batch)
         self.forward_started_at = None
-        for req, written in zip(batch.reqs, step.result.kv_written):
-            req.kv_len += written
+        if step.kv_known_at_launch:
+            for req, written in zip(batch.reqs, step.result.kv_written):
+                req.kv_len += written
         for i in step.sampled_rows:
             batch.reqs[i].in_flight += 1
         return step
@@ -369,6 +375,9 @@ class Scheduler:
         for i in step.sampled_rows:
             batch.reqs[i].in_flight -= 1
         live = [i for i, r in enumerate(batch.reqs) if not r.finished]
+        if not step.kv_known_at_launch:  # a speculative cycle's KV positions arrive with its tokens
+            for i in live:
+                batch.reqs[i].kv_len += result.kv_written[i]
         for i in live:
             self.append_tokens(batch.reqs[i], result, i)
         if batch.mode == ForwardMode.EXTEND:

@@ -70,6 +70,7 @@ class LaunchedStep:
 
     result: GenerationResult
     sampled: Optional[SampledRows] = None
+    kv_known_at_launch = True
 
     @property
     def sampled_rows(self) -> list[int]:
@@ -98,6 +99,9 @@ class TpModelWorker:
 
     # Tokens each running request may need in one decode step (the scheduler keeps them free).
     def decode_kv_need_per_req(self) -> int:
+        return 1
+
+    def max_tokens_per_step(self) -> int:
         return 1
 
     def add_request(self, req: Req) -> None:

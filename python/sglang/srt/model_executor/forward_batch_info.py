@@ -52,8 +52,12 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [bs] int64 KV length after this forward (prefix + new)
     extend_seq_lens: torch.Tensor  # [bs] int64 new (query) tokens per request
     # Host copies of the lengths, filled when the batch is built (never read back from device).
+    # A batch queued before an earlier step's lengths reached the host (overlapped speculative
+    # cycles) has upper bounds of the KV lengths here (host_lens_exact False): enough to size
+    # buffers; a backend that needs exact host lengths reads seq_lens then.
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
+    host_lens_exact: bool = True
     # Tree mask, bool [num_tokens, tree_cols]: query token t sees every KV column of its
     # request before the last tree_cols, and the last tree_cols where its row is set
     # (tree_cols, the same for every request, is at most every seq_len).

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -37,7 +37,7 @@ from sglang.srt.distributed.scheduler_comm import GlobalPlan
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo, greedy_tokens
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.managers.tp_worker import GenerationResult, TpModelWorker
+from sglang.srt.managers.tp_worker import GenerationResult, LaunchedStep, TpModelWorker
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
@@ -50,9 +50,9 @@ from sglang.srt.speculative.eagle_utils import (
     non_finite_requests,
     walk_tree,
 )
-from sglang.srt.speculative.spec_info import DraftStates, SpecInput
+from sglang.srt.speculative.spec_info import RequestStates, SpecInput
 from sglang.srt.speculative.spec_plan import SpecIterationPlan, SpecSizes, SubForward
-from sglang.srt.utils.transfer import to_host, upload
+from sglang.srt.utils.transfer import HostCopy, to_device, to_host, upload
 
 logger = logging.getLogger(__name__)
 
@@ -95,35 +95,67 @@ class Lengths:
 
 @dataclass
 class CycleInputs:
-    """A decode cycle's per-request values, on the device through one upload. Every length of
-    every sub-forward follows from the KV lengths L, host values known before the cycle."""
+    """A decode cycle's per-request values on the device, gathered from the request states
+    (so a cycle can be queued before the previous one's lengths reach the host). Every length
+    of every sub-forward follows from the KV lengths L. The host lengths are exact when every
+    request's previous cycle has reached the host, else upper bounds (docs/architecture.md)."""
 
     rows: torch.Tensor  # [bs] request->token table rows
     kv_len: torch.Tensor  # [bs] L
-    roots: torch.Tensor  # [bs] the last sampled tokens (verify tree roots)
+    roots: torch.Tensor  # [bs] the last tokens (verify tree roots)
     draft_positions: torch.Tensor  # [bs * topk] L (clamped): the draft loop's first step
     extend_positions: torch.Tensor  # [bs * (steps + 1)] L + j (clamped): the draft extend
     draft_loop: Lengths  # topk new tokens per request (the loop's first step)
     verify: Lengths  # num_draft_tokens
     extend: Lengths  # steps + 1
+    host_lens_exact: bool
 
     @classmethod
-    def upload(cls, reqs: list[Req], roots: list[int], sizes: SpecSizes, max_position: int, device: str) -> "CycleInputs":
-        kv_len = [r.kv_len for r in reqs]
-        news = (sizes.topk, sizes.num_draft_tokens, sizes.draft_extend_rows)
-        host = [([L + new for L in kv_len], [new] * len(reqs)) for new in news]
-        values = upload(
-            [
-                [r.req_pool_idx for r in reqs], kv_len, roots,
-                [min(L, max_position) for L in kv_len for _ in range(sizes.topk)],
-                [min(L + j, max_position) for L in kv_len for j in range(sizes.draft_extend_rows)],
-                *(lens for pair in host for lens in pair),
-            ],
-            device,
+    def gather(
+        cls, reqs: list[Req], states: RequestStates, sizes: SpecSizes, max_position: int, device: str
+    ) -> "CycleInputs":
+        (rows,) = upload([[r.req_pool_idx for r in reqs]], device)
+        kv_len, width = states.kv_lens[rows], sizes.draft_extend_rows
+        # A request whose previous cycle is in flight gained 1 .. steps + 1 KV positions in it.
+        host_kv = [r.kv_len + width * r.in_flight for r in reqs]
+        exact = not any(r.in_flight for r in reqs)
+        lengths = []
+        for new in (sizes.topk, sizes.num_draft_tokens, width):
+            ext = torch.full_like(kv_len, new)
+            lengths.append(Lengths(kv_len + new, ext, [L + new for L in host_kv], [new] * len(reqs)))
+        columns = torch.arange(width, device=kv_len.device)
+        return cls(
+            rows,
+            kv_len,
+            states.last_tokens[rows],
+            kv_len.clamp(max=max_position).repeat_interleave(sizes.topk),
+            (kv_len.view(-1, 1) + columns).clamp(max=max_position).flatten(),
+            *lengths,
+            exact,
         )
-        on_device = values[5:]
-        lengths = [Lengths(on_device[2 * i], on_device[2 * i + 1], *host[i]) for i in range(len(news))]
-        return cls(*values[:5], *lengths)
+
+
+@dataclass
+class LaunchedCycle:
+    """A decode cycle queued on the device (scheduler.LaunchedStep's interface): its tokens and
+    its KV positions reach the host in resolve(), which also frees the verify slots not kept."""
+
+    reqs: list[Req]
+    slots: torch.Tensor  # [bs, n] the verify's slots (host)
+    reads: HostCopy  # accept lengths, emitted tokens, kept nodes, then the optional reads
+    finish: Callable[[list[Req], torch.Tensor, list], GenerationResult]
+    kv_known_at_launch = False
+
+    @property
+    def sampled_rows(self) -> list[int]:
+        return list(range(len(self.reqs)))
+
+    def future_tokens(self) -> None:
+        """The next cycle reads its roots from the request states, not from the scheduler."""
+        return None
+
+    def resolve(self) -> GenerationResult:
+        return self.finish(self.reqs, self.slots, self.reads.lists())
 
 
 class EAGLEWorker:
@@ -156,7 +188,7 @@ class EAGLEWorker:
             embed_and_head=target_runner.model.get_embed_and_head(),
             draft_loop=self.draft_loop,
         )
-        self.states = DraftStates(
+        self.states = RequestStates(
             target_runner.req_to_token_pool.size, self.topk, self.hidden_size, self.draft_runner.dtype, self.device
         )
         # Sub-forwards of the latest iteration: (kind, rows of every DP rank, local rows).
@@ -170,30 +202,34 @@ class EAGLEWorker:
     def decode_kv_need_per_req(self) -> int:
         return self.sizes.decode_kv_need_per_req
 
+    def max_tokens_per_step(self) -> int:
+        return self.sizes.draft_extend_rows  # accepted drafts + the bonus token
+
     def add_request(self, req: Req) -> None:
         self.target.add_request(req)
 
     def remove_request(self, req: Req) -> None:
         self.target.remove_request(req)
 
-    def forward_batch_generation(self, batch: ScheduleBatch, plan: Optional[GlobalPlan] = None) -> GenerationResult:
-        """Runs this iteration's phases (DP attention: those of every DP rank, from `plan`);
-        the batch's own phase does real work, the others run zero-row sub-forwards."""
+    def launch(self, batch: ScheduleBatch, plan: Optional[GlobalPlan] = None) -> Union[LaunchedStep, LaunchedCycle]:
+        """Queues this iteration's phases (DP attention: those of every DP rank, from `plan`);
+        the batch's own phase does real work, the others run zero-row sub-forwards. A prefill
+        has its tokens at once; a decode cycle's tokens wait in the returned LaunchedCycle."""
         if plan is None:
             it = SpecIterationPlan.local(batch.mode, len(batch.input_ids), len(batch.reqs), self.sizes)
         else:
             it = SpecIterationPlan.from_global(plan, self.sizes)
         self.trace = []
-        result = GenerationResult([], [])
+        step: Union[LaunchedStep, LaunchedCycle] = LaunchedStep(GenerationResult([], []))
         if batch.mode == ForwardMode.EXTEND:
-            result = self.forward_extend(batch, it)
+            step = LaunchedStep(self.forward_extend(batch, it))
         else:
             self._idle(it, it.extend_phase())
         if batch.mode == ForwardMode.DECODE:
-            result = self.forward_decode(batch, it)
+            step = self.launch_decode(batch, it)
         else:
             self._idle(it, it.decode_phase())
-        return result
+        return step
 
     def planned_sub_forwards(self, plan: GlobalPlan) -> list[tuple[str, tuple[int, ...]]]:
         """(kind, rows of every DP rank) of each sub-forward an iteration with this plan runs."""
@@ -249,8 +285,7 @@ class EAGLEWorker:
         out = self._forward(self.target.runner, fb, SubForward.TARGET_EXTEND, it)
         ready = [i for i, r in enumerate(batch.reqs) if r.kv_len + batch.extend_lens[i] == r.seq_len]
         result = GenerationResult([[] for _ in batch.reqs], list(batch.extend_lens))
-        if ready:
-            self.target.sample_rows(batch.reqs, ready, out, result)
+        sampled = self.target.sample_rows(batch.reqs, ready, out, result) if ready else None
         # Draft sees every chunk: ids shifted left by one, then the next token (prompt or sampled).
         ids: list[int] = []
         for i, req in enumerate(batch.reqs):
@@ -265,18 +300,21 @@ class EAGLEWorker:
             spec_info=SpecInput(out.hidden_states),
         )
         draft_out = self._forward(self.draft_runner, draft_fb, SubForward.DRAFT_EXTEND_PREFILL, it)
-        if ready:
-            req_rows, out_rows = upload([[batch.reqs[i].req_pool_idx for i in ready], ready], self.device)
+        if ready:  # their first decode cycle starts from the whole sequence's KV and the sampled token
+            reqs = [batch.reqs[i] for i in ready]
+            req_rows, kv_lens, out_rows = upload([[r.req_pool_idx for r in reqs], [r.seq_len for r in reqs], ready], self.device)
+            self.states.kv_lens.index_copy_(0, req_rows, kv_lens)
+            self.states.last_tokens.index_copy_(0, req_rows, sampled.next_token_ids)
             logits, hidden = draft_out.next_token_logits, draft_out.hidden_states
             if len(ready) < logits.shape[0]:  # else the rows are all rows, in order
                 logits, hidden = logits[out_rows], hidden[out_rows]
-            self.states.store(req_rows, logits, hidden)
+            self.states.store_draft(req_rows, logits, hidden)
         return result
 
     # ------------------------------------------------------------------ decode cycle
-    def forward_decode(self, batch: ScheduleBatch, it: SpecIterationPlan) -> GenerationResult:
+    def launch_decode(self, batch: ScheduleBatch, it: SpecIterationPlan) -> LaunchedCycle:
         reqs = batch.reqs
-        cycle = CycleInputs.upload(reqs, batch.input_ids, self.sizes, self.max_position, self.device)
+        cycle = CycleInputs.gather(reqs, self.states, self.sizes, self.max_position, self.device)
         tree = self.draft(reqs, cycle, it)
         node_tokens = torch.cat([cycle.roots.view(-1, 1), tree.tokens], dim=1)
         slots, dev_slots, out = self.verify(reqs, cycle, tree, node_tokens, it)
@@ -301,26 +339,37 @@ class EAGLEWorker:
         if any(r.return_logprob for r in reqs):
             reads += self._logprobs(reqs, logits, acceptance)
         self.draft_extend(cycle, acceptance, dev_slots, out.hidden_states, it)
-        return self._result(reqs, slots, to_host(*reads))
+        last = acceptance.emitted.gather(1, acceptance.accept_len.view(-1, 1)).squeeze(1)
+        self.states.last_tokens.index_copy_(0, cycle.rows, last)
+        self.states.kv_lens.index_add_(0, cycle.rows, acceptance.accept_len + 1)
+        return LaunchedCycle(reqs, slots, HostCopy(*reads), self._result)
 
     @staticmethod
     def _batch(mode: ForwardMode, cycle: CycleInputs, lengths: Lengths, **fields) -> ForwardBatch:
         return ForwardBatch(
             mode=mode, batch_size=len(lengths.seq_cpu), req_pool_indices=cycle.rows, seq_lens=lengths.seq,
-            extend_seq_lens=lengths.ext, seq_lens_cpu=lengths.seq_cpu, extend_seq_lens_cpu=lengths.ext_cpu, **fields,
+            extend_seq_lens=lengths.ext, seq_lens_cpu=lengths.seq_cpu, extend_seq_lens_cpu=lengths.ext_cpu,
+            host_lens_exact=cycle.host_lens_exact, **fields,
         )
+
+    def _place_after_kv(self, cycle: CycleInputs, slots: torch.Tensor) -> torch.Tensor:
+        """slots [bs, w] (device) into each request's table row from its KV length L, on the
+        device (L may not have reached the host yet); returns slots."""
+        columns = cycle.kv_len.view(-1, 1) + torch.arange(slots.shape[1], device=slots.device)
+        self.kv.req_to_token_pool.req_to_token[cycle.rows.view(-1, 1), columns] = slots
+        return slots
 
     def draft(self, reqs: list[Req], cycle: CycleInputs, it: SpecIterationPlan) -> DraftTree:
         """The verify trees (without roots) from the draft loop, or from the kept guesses alone."""
         bs, k = len(reqs), self.topk
-        probs, tokens, hidden = self.states.gather(cycle.rows)
+        probs, tokens, hidden = self.states.draft_guesses(cycle.rows)
         if self.steps == 1:
             parents = torch.full((bs, k), -1, dtype=torch.int64, device=self.device)
             return build_draft_tree(probs, tokens, parents, self.num_draft, 1)
         # Scratch slots: step t's inputs of request b at row positions L + t*k + j.
         width = (self.steps - 1) * k
         scratch_host = self.kv.alloc(bs * width)
-        scratch = self.kv.write_after_kv(reqs, [width] * bs, scratch_host).view(bs, width)
+        scratch = self._place_after_kv(cycle, to_device(scratch_host, self.device).view(bs, width))
         fb = self._batch(
             ForwardMode.DRAFT_DECODE, cycle, cycle.draft_loop,
             input_ids=tokens.flatten(),
@@ -341,18 +390,18 @@ class EAGLEWorker:
         on the device, and its output."""
         n = self.num_draft
         slots = self.kv.alloc(len(reqs) * n)
-        dev_slots = self.kv.write_after_kv(reqs, [n] * len(reqs), slots)
+        dev_slots = self._place_after_kv(cycle, to_device(slots, self.device).view(len(reqs), n))
         positions = (cycle.kv_len.view(-1, 1) + tree.depths).clamp(max=self.max_position)
         fb = self._batch(
             ForwardMode.TARGET_VERIFY, cycle, cycle.verify,
             input_ids=node_tokens.flatten(),
             positions=positions.flatten(),
-            out_cache_loc=dev_slots,
+            out_cache_loc=dev_slots.flatten(),
             custom_mask=tree.mask.flatten(0, 1),
             capture_hidden_mode=CaptureHiddenMode.FULL,
         )
         out = self._forward(self.target.runner, fb, SubForward.TARGET_VERIFY, it)
-        return slots.view(len(reqs), n), dev_slots.view(len(reqs), n), out
+        return slots.view(len(reqs), n), dev_slots, out
 
     def sample_accept(
         self, reqs: list[Req], tree: DraftTree, node_tokens: torch.Tensor, logits: torch.Tensor, info: SamplingBatchInfo
@@ -401,17 +450,15 @@ class EAGLEWorker:
     def draft_extend(
         self, cycle: CycleInputs, acceptance: Acceptance, slots: torch.Tensor, target_hidden: torch.Tensor, it: SpecIterationPlan
     ) -> None:
-        """slots: the verify's [bs, n] on the device. Move the kept nodes' slots to positions L..
-        (on the device; positions past them, up
-        to the draft extend's rows, get the dummy slot, which its pad rows write), then let the
-        draft catch up: position L + j consumes emitted token j with the target hidden state of
-        its node. Pads come after every real row, so no real row sees them (causally)."""
+        """slots: the verify's [bs, n] on the device. Move the kept nodes' slots to positions
+        L.. (positions past them, up to the draft extend's rows, get the dummy slot, which its
+        pad rows write), then let the draft catch up: position L + j consumes emitted token j
+        with the target hidden state of its node. Pads come after every real row, so no real
+        row sees them (causally)."""
         bs, n, width = slots.shape[0], self.num_draft, self.sizes.draft_extend_rows
         columns = torch.arange(width, device=self.device)
         real = columns <= acceptance.accept_len.view(-1, 1)
-        kept = torch.where(real, slots.gather(1, acceptance.nodes), _DUMMY_SLOT)
-        table = self.kv.req_to_token_pool.req_to_token
-        table[cycle.rows.view(-1, 1), cycle.kv_len.view(-1, 1) + columns] = kept
+        kept = self._place_after_kv(cycle, torch.where(real, slots.gather(1, acceptance.nodes), _DUMMY_SLOT))
         node_rows = torch.arange(bs, device=self.device).view(-1, 1) * n + acceptance.nodes
         fb = self._batch(
             ForwardMode.DRAFT_EXTEND, cycle, cycle.extend,
@@ -423,12 +470,13 @@ class EAGLEWorker:
             spec_info=SpecInput(target_hidden[node_rows.flatten()]),
         )
         out = self._forward(self.draft_runner, fb, SubForward.DRAFT_EXTEND, it)
-        self.states.store(cycle.rows, out.next_token_logits, out.hidden_states)
+        self.states.store_draft(cycle.rows, out.next_token_logits, out.hidden_states)
 
     def _result(self, reqs: list[Req], slots: torch.Tensor, reads: list) -> GenerationResult:
-        """The cycle's tokens per request from what it read; frees the nodes not kept."""
+        """The cycle's tokens per request from what it read; frees the nodes not kept (all of a
+        request that finished while the cycle was in flight: its tokens are dropped)."""
         accept_len, emitted, nodes, *rest = reads
-        kept = [set(nodes[b][: a + 1]) for b, a in enumerate(accept_len)]
+        kept = [set() if r.finished else set(nodes[b][: a + 1]) for b, (r, a) in enumerate(zip(reqs, accept_len))]
         keep = torch.tensor([[c in kept[b] for c in range(self.num_draft)] for b in range(len(reqs))], dtype=torch.bool)
         self.kv.allocator.free(slots[~keep])
         result = GenerationResult(

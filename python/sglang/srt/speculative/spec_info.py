@@ -21,26 +21,29 @@ class SpecInput:
     scores: Optional[torch.Tensor] = None  # [num_tokens] float32 cumulative draft score (draft loop)
 
 
-class DraftStates:
-    """Per request row, after its latest draft extend: the draft's top-k guesses for the next
-    token and its hidden state at the last position (on the device, one row per row of the
-    request->token table, so a batch gathers its states with one index).
+class RequestStates:
+    """Per request->token table row, what the request's next decode cycle starts from, on the
+    device (a batch gathers its rows with one index, and a cycle updates them without the
+    host): its KV length L, its last token (not in the KV yet), and the draft's top-k guesses
+    for the token after it with the draft's hidden state at the last position.
 
-    Invariant: the draft KV covers the same positions as the target KV (0 .. kv_len-1), draft
+    Invariant: the draft KV covers the same positions as the target KV (0 .. L-1), draft
     position j having consumed token j+1; the guesses come from the draft's last position."""
 
     def __init__(self, rows: int, topk: int, hidden_size: int, dtype: torch.dtype, device: str):
+        self.kv_lens = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.last_tokens = torch.zeros(rows, dtype=torch.int64, device=device)
         self.probs = torch.zeros((rows, topk), dtype=torch.float32, device=device)
         self.tokens = torch.zeros((rows, topk), dtype=torch.int64, device=device)
         self.hidden = torch.zeros((rows, hidden_size), dtype=dtype, device=device)
 
-    def store(self, rows: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+    def store_draft(self, rows: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor) -> None:
         """The draft's logits [len(rows), vocab] and hidden states at each row's last position."""
         probs, tokens = torch.topk(torch.softmax(logits, dim=-1), self.probs.shape[1], dim=-1)
         self.probs.index_copy_(0, rows, probs)
         self.tokens.index_copy_(0, rows, tokens)
         self.hidden.index_copy_(0, rows, hidden.to(self.hidden.dtype))
 
-    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def draft_guesses(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(probs [bs, topk], tokens [bs, topk], hidden [bs, hidden]) of the given rows."""
         return self.probs[rows], self.tokens[rows], self.hidden[rows]

@@ -11,8 +11,15 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
 class TorchNativeAttnBackend(AttentionBackend):
+    def __init__(self) -> None:
+        self.lengths: list[tuple[int, int]] = []  # (query, KV) length of each request
+
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        pass
+        fb = forward_batch
+        if fb.host_lens_exact:
+            self.lengths = list(zip(fb.extend_seq_lens_cpu, fb.seq_lens_cpu))
+        else:  # upper bounds on the host: this reference backend reads the exact ones
+            self.lengths = list(zip(fb.extend_seq_lens.tolist(), fb.seq_lens.tolist()))
 
     def forward(
         self,
@@ -33,7 +40,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_cache, v_cache = load_kv(layer, forward_batch)
         req_to_token = forward_batch.req_to_token_pool.req_to_token
         start = 0
-        for i, (ext, seq) in enumerate(zip(forward_batch.extend_seq_lens_cpu, forward_batch.seq_lens_cpu)):
+        for i, (ext, seq) in enumerate(self.lengths):
             if ext == 0:
                 continue
             slots = req_to_token[forward_batch.req_pool_indices[i], :seq]
