@@ -3,8 +3,8 @@
 (token, slot) pairs are sorted by expert on device and each expert's run is padded to a
 multiple of BLOCK_M, so every block of BLOCK_M sorted rows belongs to a single expert.
 Two grouped GEMMs then run over those blocks: w13 with SiLU(gate) * up fused into its
-epilogue, and w2 with the routing weight applied; one more kernel sums each token's top_k
-rows (and adds the shared experts' output). The grid is sized from shapes alone (an upper
+epilogue, and w2 with the routing weight applied; one more kernel sums each token's slots
+(routed and shared experts). The grid is sized from shapes alone (an upper
 bound on the number of blocks); blocks past the last expert exit at once.
 """
 
@@ -189,21 +189,16 @@ def _grouped_gemm(
 
 
 @triton.jit
-def _combine_kernel(per_pair, shared, out, hidden, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(per_pair, out, hidden, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
     # Program (t, j), columns [j * BLOCK, (j + 1) * BLOCK) of token t: the float32 sum of its
-    # TOP_K rows in slot order, rounded to out's dtype; plus shared[t], rounded again (as a
-    # dtype cast followed by torch's add).
+    # SLOTS rows in slot order, rounded to out's dtype.
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
-    acc = tl.load(per_pair + t * TOP_K * hidden + cols, mask=mask, other=0.0)
-    for k in tl.static_range(1, TOP_K):
-        acc += tl.load(per_pair + (t * TOP_K + k) * hidden + cols, mask=mask, other=0.0)
-    y = acc.to(out.dtype.element_ty)
-    if HAS_SHARED:
-        y = (y.to(tl.float32) + tl.load(shared + t * hidden + cols, mask=mask, other=0.0).to(tl.float32))
-        y = y.to(out.dtype.element_ty)
-    tl.store(out + t * hidden + cols, y, mask=mask)
+    acc = tl.load(per_pair + t * SLOTS * hidden + cols, mask=mask, other=0.0)
+    for k in tl.static_range(1, SLOTS):
+        acc += tl.load(per_pair + (t * SLOTS + k) * hidden + cols, mask=mask, other=0.0)
+    tl.store(out + t * hidden + cols, acc.to(out.dtype.element_ty), mask=mask)
 
 
 def fused_moe(
@@ -212,29 +207,22 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    shared_output: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as moe_forward_native: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
-    topk_weights/topk_ids [T, k] -> [T, H] in hidden's dtype (partial sum of this rank),
-    plus shared_output [T, H] when given."""
-    num_tokens, top_k = topk_ids.shape
+    topk_weights/topk_ids [T, slots] -> [T, H] in hidden's dtype (partial sum of this rank)."""
+    num_tokens, slots = topk_ids.shape
     hidden_size, inter = hidden.shape[1], w2.shape[2]
     out = hidden.new_empty(hidden.shape)
     if num_tokens == 0:
         return out
-    num_pairs = num_tokens * top_k
+    num_pairs = num_tokens * slots
     block_m = 16 if num_pairs <= 64 else 64
     sorted_pairs, block_expert = align_by_expert(topk_ids, w13.shape[0], block_m)
     weights = topk_weights.flatten().float()
     act = hidden.new_empty((num_pairs, inter))  # SiLU(gate) * up per pair, in hidden's dtype
-    _grouped_gemm(hidden, w13, act, sorted_pairs, block_expert, weights, block_m, top_k, gated=True)
+    _grouped_gemm(hidden, w13, act, sorted_pairs, block_expert, weights, block_m, slots, gated=True)
     per_pair = torch.empty((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     _grouped_gemm(act, w2, per_pair, sorted_pairs, block_expert, weights, block_m, 1, gated=False)
-    shared = None if shared_output is None else shared_output.contiguous()
-    assert shared is None or (shared.shape == hidden.shape and shared.dtype == hidden.dtype)
     block = min(triton.next_power_of_2(hidden_size), 512)
-    _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](
-        per_pair, shared if shared is not None else per_pair, out, hidden_size,
-        TOP_K=top_k, HAS_SHARED=shared is not None, BLOCK=block,
-    )
+    _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](per_pair, out, hidden_size, SLOTS=slots, BLOCK=block)
     return out
