@@ -5,8 +5,9 @@
 - MLA's rope-and-pack step (one kernel on CUDA) writes what the rope module and two
   concatenations wrote, for DeepSeek's YaRN module and the plain one, both pair layouts.
 - The router's float32 logits (one kernel for decode batches) equal x.float() @ W^T.
-- The fused MoE with the shared experts as extra always-selected experts equals the routed
-  experts plus a separate shared MLP, with routed_scaling_factor on the routed weights only.
+- The fused MoE with the shared experts as extra always-selected experts (GEMV kernels,
+  grouped GEMMs at two block sizes, the tile table's choice) equals the routed experts plus
+  a separate shared MLP, with routed_scaling_factor on the routed weights only.
 - MLA decode attention at the real widths (576 / 512, the finer split) equals the torch backend.
 
 Kernels run compiled on CUDA, or under Triton's CPU interpreter in a subprocess (as in
@@ -33,6 +34,7 @@ from test_triton_kernels import (  # noqa: E402  (patches the interpreter for Nu
 
 from sglang.srt.layers.deepseek_rotary import DeepseekScalingRotaryEmbedding, mla_rope_pack, yarn_inv_freq  # noqa: E402
 from sglang.srt.layers.moe.fused_moe import moe_forward_native  # noqa: E402
+from sglang.srt.layers.moe.kernel_config import GemmTile, MoeKernelConfig  # noqa: E402
 from sglang.srt.layers.moe.topk import RoutingConfig, select_experts  # noqa: E402
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 from sglang.test.attention_batches import AttnShape  # noqa: E402
@@ -124,6 +126,14 @@ def test_router_logits_match_float32_linear(shape, num_tokens):
     torch.testing.assert_close(got, F.linear(x.float(), weight), atol=1e-4, rtol=1e-5)
 
 
+# Tiles that do not divide the widths (hidden 40 / 2048, intermediate 24 / 1408); None: the
+# tile table's choice.
+MOE_CONFIGS = {
+    "gemv": MoeKernelConfig(1, GemmTile(16, 32, 4, 2), GemmTile(8, 32, 2, 3)),
+    "grouped16": MoeKernelConfig(16, GemmTile(16, 32, 4, 2), GemmTile(32, 16, 4, 2)),
+    "grouped64": MoeKernelConfig(64, GemmTile(32, 32, 4, 3), GemmTile(32, 32, 4, 3)),
+    "table": None,
+}
 # V2-Lite-like (softmax greedy, two shared experts) and V3-like (sigmoid noaux_tc with bias,
 # renormalized, routed weights scaled by 2.5, one shared expert).
 MOE_ROUTINGS = [
@@ -134,13 +144,26 @@ MOE_ROUTINGS = [
 
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", MOE_CONFIGS)
 @pytest.mark.parametrize("num_tokens", [0, 1, 5, 17])
 @pytest.mark.parametrize("routing", MOE_ROUTINGS, ids=lambda r: r.topk_method)
-def test_fused_moe_with_shared_experts_matches_separate_mlp(routing, num_tokens, dtype):
+def test_fused_moe_with_shared_experts_matches_separate_mlp(routing, num_tokens, config, dtype):
+    _check_fused_moe_with_shared(routing, num_tokens, MOE_CONFIGS[config], dtype, hidden=40, inter=24)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="compiled kernels only (the interpreter is too slow at these widths)")
+@pytest.mark.parametrize("config", MOE_CONFIGS)
+@pytest.mark.parametrize("num_tokens", [1, 4, 32])
+def test_fused_moe_at_v2_lite_widths(num_tokens, config):
+    routing = RoutingConfig(6, 64, num_shared_experts=2)
+    _check_fused_moe_with_shared(routing, num_tokens, MOE_CONFIGS[config], torch.bfloat16, hidden=2048, inter=1408)
+
+
+def _check_fused_moe_with_shared(routing, num_tokens, config, dtype, hidden, inter):
     from sglang.srt.layers.moe.fused_moe_triton import fused_moe
     from sglang.srt.layers.moe.topk_triton import select_experts_triton
 
-    num_experts, num_shared, hidden, inter = routing.num_experts, routing.num_shared_experts, 40, 24
+    num_experts, num_shared = routing.num_experts, routing.num_shared_experts
     gen = torch.Generator().manual_seed(num_tokens + num_shared)
     rand = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(DEVICE, dtype)  # noqa: E731
     x = rand(num_tokens, hidden)
@@ -163,7 +186,7 @@ def test_fused_moe_with_shared_experts_matches_separate_mlp(routing, num_tokens,
     shared_ids = torch.arange(num_experts, num_experts + num_shared, device=DEVICE).expand(num_tokens, -1)
     assert torch.equal(ids[:, routing.top_k :], shared_ids)
     assert torch.all(weights[:, routing.top_k :] == 1.0)
-    got = fused_moe(x, w13, w2, weights, ids)
+    got = fused_moe(x, w13, w2, weights, ids, config)
     assert got.shape == ref.shape and got.dtype == ref.dtype
     tol = 1e-4 if dtype == torch.float32 and not ON_CUDA else 1e-2 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
