@@ -4,9 +4,10 @@ At decode batch sizes almost every expert block of the grouped GEMMs holds one r
 and the work is streaming the selected experts' weights. Here program (pair, n-tile) of the
 first kernel reads its expert's gate and up rows once and writes SiLU(gate) * up; program
 (token, n-tile) of the second reads the w2 rows of each of the token's slots in turn and
-writes the token's weighted sum, rounded once (what the grouped path's w2 GEMM and combine
-kernel compute, summed in another order). An expert chosen by several tokens of the batch
-is read once per pair (mostly from L2), so this path is for small batches only (TILE_TABLE).
+writes the token's weighted sum, rounded once: what the grouped path's w2 GEMM and combine
+kernel compute, in float32 in another order (the routing weight scales the activation, not
+the product). An expert chosen by several tokens of the batch is read once per pair (mostly
+from L2, as the grid runs a tile's pairs together), so this path is for small batches only.
 Weights must have unit stride along their last (reduction) dimension.
 
 The loops pipeline their loads (tl.range's num_stages: loads that feed no tl.dot are only

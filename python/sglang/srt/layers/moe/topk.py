@@ -86,4 +86,5 @@ def select_experts(
         return topk_weights, topk_ids
     shared_ids = torch.arange(cfg.num_experts, cfg.num_experts + cfg.num_shared_experts, device=topk_ids.device)
     shared_ids = shared_ids.expand(num_tokens, -1)
-    return torch.cat([topk_weights, torch.ones_like(shared_ids, dtype=torch.float32)], 1), torch.cat([topk_ids, shared_ids], 1)
+    shared_weights = torch.ones(shared_ids.shape, dtype=torch.float32, device=topk_ids.device)
+    return torch.cat([topk_weights, shared_weights], 1), torch.cat([topk_ids, shared_ids], 1)
