@@ -2,7 +2,9 @@
 
 - The targets' logits and greedy tokens match transformers' own DeepseekV2/V3 (float32, CPU)
   for prompts of different lengths, whole and chunked prefill.
-- Routing and the expert computation match transformers' router / experts modules.
+- Routing and the expert computation match transformers' router / experts modules; the MoE
+  layer with its shared experts folded into the expert weights matches transformers' MoE
+  module, on one rank and as the sum of two TP ranks' partial outputs.
 - The NextN draft matches a reference built here from the raw checkpoint tensors (plain torch
   for the MTP head, HF's decoder layer for the layer in the middle), in chunked extend and
   decode, and when it shares the target's embedding and LM head.
@@ -24,17 +26,19 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkR
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3DecoderLayer,
     DeepseekV3Experts,
+    DeepseekV3MoE,
     DeepseekV3RotaryEmbedding,
     DeepseekV3TopkRouter,
 )
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.layers.moe import fused_moe
 from sglang.srt.layers.moe.fused_moe import moe_forward_native
 from sglang.srt.layers.moe.topk import RoutingConfig, select_experts
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.model_loader.loader import get_model
-from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
+from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MoE
 from sglang.tools.export_nextn import main as export_main
 from sglang.test.model_harness import ModelHarness
 from sglang.test.tiny_deepseek import make_tiny_deepseek_v2, make_tiny_deepseek_v3
@@ -146,6 +150,41 @@ def test_v3_routing_and_experts_match_transformers():
     assert empty.shape == (0, 32)
     for cfg in (routing, RoutingConfig(top_k=3, num_experts=8, topk_method="group_limited_greedy", num_expert_group=4, topk_group=2)):
         assert select_experts(logits[:0], cfg, router.e_score_correction_bias)[1].shape == (0, 3)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_moe_with_shared_experts_matches_transformers(tp_size, monkeypatch):
+    """Two shared experts (intermediate 2 x 16) in the expert slots after the 8 routed ones;
+    V3 routing scales the routed weights only. Each rank holds its intermediate slice of
+    every expert; the ranks' partial outputs sum to the whole layer."""
+    cfg = DeepseekV3Config(
+        hidden_size=32, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5, moe_intermediate_size=16, n_shared_experts=2,
+    )
+    hf = DeepseekV3MoE(cfg).eval()
+    for param in hf.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    x = torch.randn(9, 32)
+    ref = hf(x)
+    inter, experts = cfg.moe_intermediate_size, hf.experts
+    out = torch.zeros_like(x)
+    for rank in range(tp_size):
+        monkeypatch.setattr(fused_moe, "get_tp_size", lambda: tp_size)
+        monkeypatch.setattr(fused_moe, "get_tp_rank", lambda: rank)
+        moe = DeepseekV2MoE(cfg)
+        assert moe.experts.w13_weight.shape == (10, 2 * inter // tp_size, 32)
+        moe.gate.weight.copy_(hf.gate.weight)
+        moe.gate.e_score_correction_bias.copy_(hf.gate.e_score_correction_bias)
+        for e in range(cfg.n_routed_experts):
+            moe.experts.weight_loader("gate_proj", e, experts.gate_up_proj[e, :inter])
+            moe.experts.weight_loader("up_proj", e, experts.gate_up_proj[e, inter:])
+            moe.experts.weight_loader("down_proj", e, experts.down_proj[e])
+        for shard in ("gate_proj", "up_proj", "down_proj"):
+            moe.experts.weight_loader(shard, None, getattr(hf.shared_experts, shard).weight)
+        out += moe.experts(x, moe.gate(x), moe.gate.e_score_correction_bias)  # this rank's partial sum
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert moe.experts(x[:0], moe.gate(x[:0]), moe.gate.e_score_correction_bias).shape == (0, 32)
 
 
 # ---- NextN draft ----------------------------------------------------------------------------

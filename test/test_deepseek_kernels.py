@@ -5,7 +5,9 @@
 - MLA's rope-and-pack step (one kernel on CUDA) writes what the rope module and two
   concatenations wrote, for DeepSeek's YaRN module and the plain one, both pair layouts.
 - The router's float32 logits (one kernel for decode batches) equal x.float() @ W^T.
-- The fused MoE with the shared experts' output added in its last kernel equals the native one.
+- The fused MoE with the shared experts as extra always-selected experts (GEMV kernels,
+  grouped GEMMs at two block sizes, the tile table's choice) equals the routed experts plus
+  a separate shared MLP, with routed_scaling_factor on the routed weights only.
 - MLA decode attention at the real widths (576 / 512, the finer split) equals the torch backend.
 
 Kernels run compiled on CUDA, or under Triton's CPU interpreter in a subprocess (as in
@@ -13,6 +15,8 @@ test_triton_kernels); without triton the kernel tests are skipped.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -30,6 +34,8 @@ from test_triton_kernels import (  # noqa: E402  (patches the interpreter for Nu
 
 from sglang.srt.layers.deepseek_rotary import DeepseekScalingRotaryEmbedding, mla_rope_pack, yarn_inv_freq  # noqa: E402
 from sglang.srt.layers.moe.fused_moe import moe_forward_native  # noqa: E402
+from sglang.srt.layers.moe.kernel_config import GemmTile, MoeKernelConfig  # noqa: E402
+from sglang.srt.layers.moe.topk import RoutingConfig, select_experts  # noqa: E402
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 from sglang.test.attention_batches import AttnShape  # noqa: E402
 
@@ -120,26 +126,72 @@ def test_router_logits_match_float32_linear(shape, num_tokens):
     torch.testing.assert_close(got, F.linear(x.float(), weight), atol=1e-4, rtol=1e-5)
 
 
+# Tiles that do not divide the widths (hidden 40 / 2048, intermediate 24 / 1408); None: the
+# tile table's choice.
+MOE_CONFIGS = {
+    "gemv": MoeKernelConfig(1, GemmTile(16, 32, 4, 2), GemmTile(8, 32, 2, 3)),
+    "grouped16": MoeKernelConfig(16, GemmTile(16, 32, 4, 2), GemmTile(32, 16, 4, 2)),
+    "grouped64": MoeKernelConfig(64, GemmTile(32, 32, 4, 3), GemmTile(32, 32, 4, 3)),
+    "table": None,
+}
+# V2-Lite-like (softmax greedy, two shared experts) and V3-like (sigmoid noaux_tc with bias,
+# renormalized, routed weights scaled by 2.5, one shared expert).
+MOE_ROUTINGS = [
+    RoutingConfig(3, 8, num_shared_experts=2),
+    RoutingConfig(3, 8, "sigmoid", "noaux_tc", 4, 2, renormalize=True, routed_scaling_factor=2.5, num_shared_experts=1),
+]
+
+
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(0, 8, 2, 32, 48), (1, 8, 6, 32, 48), (5, 16, 3, 40, 24), (30, 8, 3, 64, 32)])
-def test_fused_moe_adds_shared_output(shape, dtype):
-    from sglang.srt.layers.moe.fused_moe_triton import fused_moe
+@pytest.mark.parametrize("config", MOE_CONFIGS)
+@pytest.mark.parametrize("num_tokens", [0, 1, 5, 17])
+@pytest.mark.parametrize("routing", MOE_ROUTINGS, ids=lambda r: r.topk_method)
+def test_fused_moe_with_shared_experts_matches_separate_mlp(routing, num_tokens, config, dtype):
+    _check_fused_moe_with_shared(routing, num_tokens, MOE_CONFIGS[config], dtype, hidden=40, inter=24)
 
-    num_tokens, num_experts, top_k, hidden, inter = shape
-    gen = torch.Generator().manual_seed(num_tokens + num_experts)
+
+@pytest.mark.skipif(not ON_CUDA, reason="compiled kernels only (the interpreter is too slow at these widths)")
+@pytest.mark.parametrize("config", MOE_CONFIGS)
+@pytest.mark.parametrize("num_tokens", [1, 4, 32])
+def test_fused_moe_at_v2_lite_widths(num_tokens, config):
+    routing = RoutingConfig(6, 64, num_shared_experts=2)
+    _check_fused_moe_with_shared(routing, num_tokens, MOE_CONFIGS[config], torch.bfloat16, hidden=2048, inter=1408)
+
+
+def _check_fused_moe_with_shared(routing, num_tokens, config, dtype, hidden, inter):
+    from sglang.srt.layers.moe.fused_moe_triton import fused_moe
+    from sglang.srt.layers.moe.topk_triton import select_experts_triton
+
+    num_experts, num_shared = routing.num_experts, routing.num_shared_experts
+    gen = torch.Generator().manual_seed(num_tokens + num_shared)
     rand = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(DEVICE, dtype)  # noqa: E731
-    x, shared = rand(num_tokens, hidden), rand(num_tokens, hidden)
-    w13 = rand(num_experts, 2 * inter, hidden, scale=hidden**-0.5)
-    w2 = rand(num_experts, hidden, inter, scale=inter**-0.5)
-    weights, ids = torch.randn(num_tokens, num_experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
-    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
-    ref = moe_forward_native(x, w13, w2, weights, ids, shared)
-    got = fused_moe(x, w13, w2, weights, ids, shared)
+    x = rand(num_tokens, hidden)
+    w13 = rand(num_experts + num_shared, 2 * inter, hidden, scale=hidden**-0.5)
+    w2 = rand(num_experts + num_shared, hidden, inter, scale=inter**-0.5)
+    logits = torch.randn(num_tokens, num_experts, generator=gen).to(DEVICE)
+    bias = (torch.randn(num_experts, generator=gen) * 0.1).to(DEVICE) if routing.topk_method == "noaux_tc" else None
+
+    # Reference: the routed experts, then one shared MLP of intermediate S * I whose channels
+    # are the shared slots' (gate, up rows and down columns in slot order), added in dtype.
+    routed = moe_forward_native(x, w13[:num_experts], w2[:num_experts], *select_experts(
+        logits, dataclasses.replace(routing, num_shared_experts=0), bias))
+    gate = w13[num_experts:, :inter].reshape(-1, hidden)
+    up = w13[num_experts:, inter:].reshape(-1, hidden)
+    down = w2[num_experts:].permute(1, 0, 2).reshape(hidden, -1)
+    ref = routed + F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+    weights, ids = select_experts_triton(logits, routing, bias)
+    assert ids.shape == (num_tokens, routing.top_k + num_shared)
+    shared_ids = torch.arange(num_experts, num_experts + num_shared, device=DEVICE).expand(num_tokens, -1)
+    assert torch.equal(ids[:, routing.top_k :], shared_ids)
+    assert torch.all(weights[:, routing.top_k :] == 1.0)
+    got = fused_moe(x, w13, w2, weights, ids, config)
     assert got.shape == ref.shape and got.dtype == ref.dtype
-    tol = 1e-4 if dtype == torch.float32 and not ON_CUDA else 3e-2
+    tol = 1e-4 if dtype == torch.float32 and not ON_CUDA else 1e-2 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(moe_forward_native(x, w13, w2, weights, ids) + shared, ref)
+    native = moe_forward_native(x, w13, w2, *select_experts(logits, routing, bias))  # the CPU path
+    torch.testing.assert_close(native.float(), ref.float(), atol=tol, rtol=tol)
 
 
 @kernel_test

@@ -9,7 +9,9 @@ kv_b_proj's weight, so there is no derived state to rebuild after loading.
 Tensor parallelism: attention heads are split across the attention-TP group (q_b_proj /
 q_proj / kv_b_proj column-parallel, o_proj row-parallel), as are the embedding and LM head;
 the routed and shared experts (and dense MLPs) are split along their intermediate dimension
-across the TP group, and the MoE's partial sums are all-reduced once per layer. Under DP
+across the TP group, and the MoE's partial sums are all-reduced once per layer. The shared
+experts are extra always-selected experts of the fused MoE (layers/moe/fused_moe.py): the
+checkpoint's shared MLP is loaded into expert slots after the routed ones. Under DP
 attention the MLP/MoE runs on every DP rank's rows at once (layers/dp_attention.py).
 """
 
@@ -45,7 +47,8 @@ from sglang.srt.model_loader.weight_utils import default_weight_loader
 
 # HF dense-MLP names fused into gate_up_proj: (param fragment, checkpoint fragment, shard id).
 _GATE_UP_MAPPING = ((".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1))
-_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# A routed expert (mlp.experts.<id>.*) or the shared MLP (mlp.shared_experts.*) of a MoE layer.
+_EXPERT_RE = re.compile(r"^(.*\.mlp)\.(?:experts\.(\d+)|shared_experts)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def mla_softmax_scale(config: PretrainedConfig) -> float:
@@ -71,6 +74,7 @@ def routing_config(config: PretrainedConfig) -> RoutingConfig:
         topk_group=getattr(config, "topk_group", None),
         renormalize=bool(getattr(config, "norm_topk_prob", False)),
         routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
+        num_shared_experts=getattr(config, "n_shared_experts", None) or 0,
     )
 
 
@@ -83,12 +87,12 @@ def is_moe_layer(config: PretrainedConfig, layer_idx: int) -> bool:
 
 
 class DeepseekV2MLP(nn.Module):
-    """SiLU-gated MLP; with reduce_results=False it returns this rank's partial sum."""
+    """SiLU-gated MLP of the dense layers."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, reduce_results: bool = True):
+    def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce_results=reduce_results)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,21 +125,16 @@ class MoEGate(nn.Module):
 
 
 class DeepseekV2MoE(nn.Module):
+    """Router and experts; the experts hold the shared MLP too (n_shared_experts slots)."""
+
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         routing = routing_config(config)
         self.gate = MoEGate(config, with_correction_bias=routing.topk_method == "noaux_tc")
         self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, routing)
-        n_shared = getattr(config, "n_shared_experts", None) or 0
-        self.shared_experts = (
-            DeepseekV2MLP(config.hidden_size, config.moe_intermediate_size * n_shared, reduce_results=False)
-            if n_shared
-            else None
-        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = None if self.shared_experts is None else self.shared_experts(x)
-        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias, shared)  # routed + shared
+        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias)  # routed + shared
         return tensor_model_parallel_all_reduce(out)
 
 
@@ -273,8 +272,9 @@ def load_deepseek_weights(
     """Load HF-named tensors into `model`.
 
     `rename(name)` maps a checkpoint name to this model's parameter name, or None to skip it.
-    Per-expert tensors go into the stacked expert weights; gate/up projections of dense and
-    shared MLPs into gate_up_proj. Raises on an unknown tensor or an unloaded parameter.
+    Routed and shared experts' tensors go into the stacked expert weights; gate/up
+    projections of dense MLPs into gate_up_proj. Raises on an unknown tensor or an unloaded
+    parameter.
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -284,10 +284,10 @@ def load_deepseek_weights(
             continue
         expert = _EXPERT_RE.match(name)
         if expert:
-            prefix, expert_id, shard = expert.groups()
-            moe: FusedMoE = model.get_submodule(prefix)
-            moe.weight_loader(shard, int(expert_id), tensor)
-            loaded.update((f"{prefix}.w13_weight", f"{prefix}.w2_weight"))
+            mlp, expert_id, shard = expert.groups()
+            moe: FusedMoE = model.get_submodule(f"{mlp}.experts")
+            moe.weight_loader(shard, None if expert_id is None else int(expert_id), tensor)
+            loaded.update((f"{mlp}.experts.w13_weight", f"{mlp}.experts.w2_weight"))
             continue
         shard_id = None
         for param_frag, ckpt_frag, sid in _GATE_UP_MAPPING:

@@ -1,12 +1,17 @@
-"""Mixture-of-experts over stacked expert weights.
+"""Mixture-of-experts over stacked expert weights, shared experts included.
 
-Weights: w13 [E, 2 * I_local, H] (gate rows then up rows) and w2 [E, H, I_local], where
-I_local is this rank's slice of the intermediate dimension (the experts are split across
-the TP group). The output is this rank's partial sum: the caller all-reduces it once per
-layer, together with the shared experts.
+Weights: w13 [slots, 2 * I_local, H] (gate rows then up rows) and w2 [slots, H, I_local],
+where I_local is this rank's slice of the intermediate dimension (the experts are split
+across the TP group). Slots [0, E) hold the routed experts and [E, E + S) the shared MLP
+(intermediate S * I), split into S experts of intermediate I: a SiLU-gated MLP is a sum over
+its intermediate channels, so its parts sum to the whole, and routing gives every token all
+S of them with weight 1 (RoutingConfig.num_shared_experts). One expert launch thus computes
+routed and shared experts; the output is this rank's partial sum, all-reduced by the caller.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,21 +27,20 @@ def moe_forward_native(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    shared_output: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SiLU-gated experts; rows are sorted by expert and each expert runs one matmul.
 
-    hidden: [T, H]; topk_weights/topk_ids: [T, k]. Returns [T, H] in hidden's dtype, plus
-    shared_output [T, H] when given (added after the rounding to hidden's dtype).
-    Works for T == 0. The per-expert row counts are read on the host (one sync).
+    hidden: [T, H]; topk_weights/topk_ids: [T, slots]. Returns [T, H] in hidden's dtype: the
+    weighted expert outputs summed in float32, rounded once. Works for T == 0.
+    The per-expert row counts are read on the host (one sync).
     """
-    num_tokens, top_k = topk_ids.shape
+    num_tokens, slots = topk_ids.shape
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     if num_tokens == 0:
         return out.to(hidden.dtype)
     flat_ids = topk_ids.flatten()
     order = torch.argsort(flat_ids, stable=True)
-    rows = order // top_k  # token row of each (token, slot) pair, grouped by expert
+    rows = order // slots  # token row of each (token, slot) pair, grouped by expert
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
     chunks = hidden[rows].split(counts)
     expert_out = []
@@ -47,12 +51,12 @@ def moe_forward_native(
         expert_out.append(F.linear(F.silu(gate) * up, w2[expert]))
     y = torch.cat(expert_out).float() * topk_weights.flatten()[order].float()[:, None]
     out.index_add_(0, rows, y)
-    out = out.to(hidden.dtype)
-    return out if shared_output is None else out + shared_output
+    return out.to(hidden.dtype)
 
 
 class FusedMoE(nn.Module):
-    """Routed experts of one layer, sharded along the intermediate dimension across TP ranks."""
+    """Routed and shared experts of one layer, sharded along the intermediate dimension
+    across TP ranks (each rank holds its slice of every expert, shared ones included)."""
 
     def __init__(
         self,
@@ -70,37 +74,44 @@ class FusedMoE(nn.Module):
         self.local_intermediate = intermediate_size // self.tp_size
         self.routing = routing
         dtype = params_dtype or torch.get_default_dtype()
+        slots = num_experts + routing.num_shared_experts
         self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * self.local_intermediate, hidden_size, dtype=dtype), requires_grad=False
+            torch.empty(slots, 2 * self.local_intermediate, hidden_size, dtype=dtype), requires_grad=False
         )
         self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, self.local_intermediate, dtype=dtype), requires_grad=False
+            torch.empty(slots, hidden_size, self.local_intermediate, dtype=dtype), requires_grad=False
         )
 
-    def weight_loader(self, shard: str, expert_id: int, loaded: torch.Tensor) -> None:
-        """Copy one expert's full HF weight (gate_proj / up_proj / down_proj) into this rank's slice."""
+    def weight_loader(self, shard: str, expert_id: Optional[int], loaded: torch.Tensor) -> None:
+        """Copy a full HF weight (gate_proj / up_proj / down_proj) into this rank's slice: of
+        routed expert `expert_id`, or with expert_id None of the shared MLP (intermediate
+        S * I), whose rank slice of S * I_local channels fills the S shared slots in order."""
         n = self.local_intermediate
-        lo = self.tp_rank * n
+        if expert_id is not None:
+            self._load_slot(expert_id, shard, loaded, self.tp_rank * n)
+            return
+        num_shared = self.routing.num_shared_experts
+        for j in range(num_shared):
+            self._load_slot(self.num_experts + j, shard, loaded, (self.tp_rank * num_shared + j) * n)
+
+    def _load_slot(self, slot: int, shard: str, loaded: torch.Tensor, lo: int) -> None:
+        """Intermediate channels [lo, lo + I_local) of `loaded` into expert slot `slot`."""
+        n = self.local_intermediate
         if shard == "down_proj":
-            self.w2_weight.data[expert_id].copy_(loaded[:, lo : lo + n])
+            self.w2_weight.data[slot].copy_(loaded[:, lo : lo + n])
         elif shard in ("gate_proj", "up_proj"):
             dst = 0 if shard == "gate_proj" else n
-            self.w13_weight.data[expert_id, dst : dst + n].copy_(loaded[lo : lo + n])
+            self.w13_weight.data[slot, dst : dst + n].copy_(loaded[lo : lo + n])
         else:
             raise ValueError(f"unknown expert shard {shard!r}")
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        router_logits: torch.Tensor,
-        correction_bias: torch.Tensor | None = None,
-        shared_output: torch.Tensor | None = None,
+        self, hidden: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Partial (this rank's) routed-expert output [T, H], plus shared_output [T, H] when
-        given (the shared experts' partial sum, added in the same launch); the caller all-reduces."""
+        """This rank's partial sum [T, H] of the routed and shared experts; the caller all-reduces."""
         route, experts = select_experts, moe_forward_native
         if hidden.is_cuda:  # triton ships with CUDA builds of torch; its kernels never sync with the host
             from sglang.srt.layers.moe.fused_moe_triton import fused_moe as experts
             from sglang.srt.layers.moe.topk_triton import select_experts_triton as route
         topk_weights, topk_ids = route(router_logits, self.routing, correction_bias)
-        return experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, shared_output)
+        return experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)

@@ -1,11 +1,12 @@
 """Triton fused MoE: the same SiLU-gated experts as `moe_forward_native`, without host syncs.
 
-(token, slot) pairs are sorted by expert on device and each expert's run is padded to a
-multiple of BLOCK_M, so every block of BLOCK_M sorted rows belongs to a single expert.
-Two grouped GEMMs then run over those blocks: w13 with SiLU(gate) * up fused into its
-epilogue, and w2 with the routing weight applied; one more kernel sums each token's top_k
-rows (and adds the shared experts' output). The grid is sized from shapes alone (an upper
-bound on the number of blocks); blocks past the last expert exit at once.
+The tile configuration comes from the number of (token, slot) pairs (kernel_config.py).
+Decode-sized batches take the GEMV kernels of fused_moe_gemv.py. Otherwise the pairs are
+sorted by expert on device and each expert's run is padded to a multiple of BLOCK_M, so
+every block of BLOCK_M sorted rows belongs to a single expert. Two grouped GEMMs then run
+over those blocks: w13 with SiLU(gate) * up fused into its epilogue, and w2 with the routing
+weight applied; one more kernel sums each token's slots. The grid is sized from shapes
+alone (an upper bound on the number of blocks); blocks past the last expert exit at once.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from sglang.srt.layers.moe.fused_moe_gemv import moe_gemv
+from sglang.srt.layers.moe.kernel_config import GemmTile, MoeKernelConfig, kernel_config
 
 
 # One program aligns up to this many (token, slot) pairs in registers (every decode batch);
@@ -158,12 +162,6 @@ def _grouped_gemm_kernel(
         )
 
 
-# Tiles by BLOCK_M: (BLOCK_N, BLOCK_K, num_warps, num_stages). Decode (BLOCK_M 16) only
-# streams weights: vLLM's tuned DeepSeek-V2-Lite table (E=64, N=1408, H100, batch 1-2) picks
-# narrow N tiles, twice as many programs in flight, and a deeper pipeline there.
-_GEMM_TILES = {16: (32, 64, 4, 4), 64: (64, 64, 4, 3)}
-
-
 def _grouped_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -172,38 +170,33 @@ def _grouped_gemm(
     block_expert: torch.Tensor,
     topk_weights: torch.Tensor,
     block_m: int,
+    tile: GemmTile,
     rows_per_a: int,
     gated: bool,
 ) -> None:
     n_out, k_in = c.shape[1], a.shape[1]
-    block_n, block_k, num_warps, num_stages = _GEMM_TILES[block_m]
-    grid = (block_expert.shape[0], triton.cdiv(n_out, block_n))
+    grid = (block_expert.shape[0], triton.cdiv(n_out, tile.block_n))
     _grouped_gemm_kernel[grid](
         a, w, c, sorted_pairs, block_expert, topk_weights,
         c.shape[0], n_out, k_in,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
         NUM_EXPERTS=w.shape[0], ROWS_PER_A=rows_per_a, GATED=gated, MUL_WEIGHT=not gated,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 
 
 @triton.jit
-def _combine_kernel(per_pair, shared, out, hidden, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(per_pair, out, hidden, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
     # Program (t, j), columns [j * BLOCK, (j + 1) * BLOCK) of token t: the float32 sum of its
-    # TOP_K rows in slot order, rounded to out's dtype; plus shared[t], rounded again (as a
-    # dtype cast followed by torch's add).
+    # SLOTS rows in slot order, rounded to out's dtype.
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
-    acc = tl.load(per_pair + t * TOP_K * hidden + cols, mask=mask, other=0.0)
-    for k in tl.static_range(1, TOP_K):
-        acc += tl.load(per_pair + (t * TOP_K + k) * hidden + cols, mask=mask, other=0.0)
-    y = acc.to(out.dtype.element_ty)
-    if HAS_SHARED:
-        y = (y.to(tl.float32) + tl.load(shared + t * hidden + cols, mask=mask, other=0.0).to(tl.float32))
-        y = y.to(out.dtype.element_ty)
-    tl.store(out + t * hidden + cols, y, mask=mask)
+    acc = tl.load(per_pair + t * SLOTS * hidden + cols, mask=mask, other=0.0)
+    for k in tl.static_range(1, SLOTS):
+        acc += tl.load(per_pair + (t * SLOTS + k) * hidden + cols, mask=mask, other=0.0)
+    tl.store(out + t * hidden + cols, acc.to(out.dtype.element_ty), mask=mask)
 
 
 def fused_moe(
@@ -212,29 +205,28 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    shared_output: torch.Tensor | None = None,
+    config: MoeKernelConfig | None = None,
 ) -> torch.Tensor:
     """Same contract as moe_forward_native: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
-    topk_weights/topk_ids [T, k] -> [T, H] in hidden's dtype (partial sum of this rank),
-    plus shared_output [T, H] when given."""
-    num_tokens, top_k = topk_ids.shape
+    topk_weights/topk_ids [T, slots] -> [T, H] in hidden's dtype (partial sum of this rank).
+    `config` overrides the tile table's choice (for benchmarks and tests)."""
+    num_tokens, slots = topk_ids.shape
     hidden_size, inter = hidden.shape[1], w2.shape[2]
     out = hidden.new_empty(hidden.shape)
     if num_tokens == 0:
         return out
-    num_pairs = num_tokens * top_k
-    block_m = 16 if num_pairs <= 64 else 64
+    num_pairs = num_tokens * slots
+    config = config or kernel_config(num_pairs)
+    if config.block_m == 1:
+        moe_gemv(hidden, w13, w2, topk_weights, topk_ids, out, config.w13, config.w2)
+        return out
+    block_m = config.block_m
     sorted_pairs, block_expert = align_by_expert(topk_ids, w13.shape[0], block_m)
     weights = topk_weights.flatten().float()
     act = hidden.new_empty((num_pairs, inter))  # SiLU(gate) * up per pair, in hidden's dtype
-    _grouped_gemm(hidden, w13, act, sorted_pairs, block_expert, weights, block_m, top_k, gated=True)
+    _grouped_gemm(hidden, w13, act, sorted_pairs, block_expert, weights, block_m, config.w13, slots, gated=True)
     per_pair = torch.empty((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
-    _grouped_gemm(act, w2, per_pair, sorted_pairs, block_expert, weights, block_m, 1, gated=False)
-    shared = None if shared_output is None else shared_output.contiguous()
-    assert shared is None or (shared.shape == hidden.shape and shared.dtype == hidden.dtype)
+    _grouped_gemm(act, w2, per_pair, sorted_pairs, block_expert, weights, block_m, config.w2, 1, gated=False)
     block = min(triton.next_power_of_2(hidden_size), 512)
-    _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](
-        per_pair, shared if shared is not None else per_pair, out, hidden_size,
-        TOP_K=top_k, HAS_SHARED=shared is not None, BLOCK=block,
-    )
+    _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](per_pair, out, hidden_size, SLOTS=slots, BLOCK=block)
     return out

@@ -5,6 +5,8 @@ DeepSeek-V2: softmax scores; top-k over all experts ("greedy") or over the best
 DeepSeek-V3: sigmoid scores; groups ranked by the sum of their two best bias-corrected
 scores, experts chosen by bias-corrected score, weighted by the uncorrected score
 ("noaux_tc"). Weights are optionally renormalized, then multiplied by routed_scaling_factor.
+Shared experts (always selected, weight 1, never scaled) follow the top_k routed slots, so
+one expert launch computes routed and shared experts alike.
 Everything is computed in float32 and accepts 0 rows.
 """
 
@@ -28,6 +30,13 @@ class RoutingConfig:
     topk_group: Optional[int] = None
     renormalize: bool = False
     routed_scaling_factor: float = 1.0
+    # Slots top_k .. top_k + num_shared_experts - 1 of every row: expert num_experts + j, weight 1.
+    num_shared_experts: int = 0
+
+    @property
+    def slots(self) -> int:
+        """Experts each token is computed with: its top_k routed ones, then the shared ones."""
+        return self.top_k + self.num_shared_experts
 
     def __post_init__(self) -> None:
         if self.topk_method not in TOPK_METHODS:
@@ -52,7 +61,8 @@ def _mask_to_top_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_g
 def select_experts(
     router_logits: torch.Tensor, cfg: RoutingConfig, correction_bias: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits: [T, E]. Returns (weights [T, k] float32, expert ids [T, k] int64)."""
+    """router_logits: [T, E]. Returns (weights [T, slots] float32, expert ids [T, slots] int64):
+    the top_k routed experts, then the shared ones."""
     logits = router_logits.float()
     scores = logits.softmax(dim=-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
     num_tokens = scores.shape[0]
@@ -71,4 +81,10 @@ def select_experts(
         topk_weights, topk_ids = torch.topk(scores, k=cfg.top_k, dim=-1, sorted=False)
     if cfg.renormalize:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return topk_weights * cfg.routed_scaling_factor, topk_ids
+    topk_weights = topk_weights * cfg.routed_scaling_factor
+    if not cfg.num_shared_experts:
+        return topk_weights, topk_ids
+    shared_ids = torch.arange(cfg.num_experts, cfg.num_experts + cfg.num_shared_experts, device=topk_ids.device)
+    shared_ids = shared_ids.expand(num_tokens, -1)
+    shared_weights = torch.ones(shared_ids.shape, dtype=torch.float32, device=topk_ids.device)
+    return torch.cat([topk_weights, shared_weights], 1), torch.cat([topk_ids, shared_ids], 1)

@@ -7,8 +7,8 @@ three; larger batches take cuBLAS.
 `select_experts_triton`: one program per token row holds the row's expert scores in
 registers and does what the plain-PyTorch `select_experts` does in a dozen kernels: scoring
 (softmax or sigmoid), group ranking and masking, top-k by repeated arg-max, renormalization
-and scaling. Experts of a group are contiguous (group g owns experts [g * group_size,
-(g + 1) * group_size)).
+and scaling, then the shared experts' slots. Experts of a group are contiguous (group g
+owns experts [g * group_size, (g + 1) * group_size)).
 
 No host reads: every grid and loop bound comes from shapes and the routing config.
 """
@@ -99,7 +99,7 @@ def _top_group_mask(choice, offs, GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexp
 @triton.jit
 def _route_kernel(
     logits, bias, out_weights, out_ids, stride_row, scale,
-    E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+    E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_K: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, METHOD: tl.constexpr,
     GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     RENORMALIZE: tl.constexpr,
@@ -135,22 +135,25 @@ def _route_kernel(
         ids = tl.where(koffs == k, best.to(tl.int64), ids)
         weights = tl.where(koffs == k, tl.sum(tl.where(picked, scores, 0.0), axis=0), weights)
         choice = tl.where(picked, NEG_INF, choice)
-    if RENORMALIZE:
+    if RENORMALIZE:  # the slots past TOP_K still hold weight 0
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
-    out = row * TOP_K + koffs
-    tl.store(out_ids + out, ids, mask=koffs < TOP_K)
-    tl.store(out_weights + out, weights * scale, mask=koffs < TOP_K)
+    shared = koffs >= TOP_K  # slot TOP_K + j: shared expert E + j, weight 1, unscaled
+    ids = tl.where(shared, (E + koffs - TOP_K).to(tl.int64), ids)
+    weights = tl.where(shared, 1.0, weights * scale)
+    out = row * SLOTS + koffs
+    tl.store(out_ids + out, ids, mask=koffs < SLOTS)
+    tl.store(out_weights + out, weights, mask=koffs < SLOTS)
 
 
 def select_experts_triton(
     router_logits: torch.Tensor, cfg: RoutingConfig, correction_bias: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `select_experts`: (weights [T, k] float32, expert ids [T, k] int64).
-    The k experts of a row may come in another order than torch.topk's."""
+    """Same contract as `select_experts`: (weights [T, slots] float32, expert ids [T, slots]
+    int64). The top_k routed experts of a row may come in another order than torch.topk's."""
     num_tokens = router_logits.shape[0]
     device = router_logits.device
-    weights = torch.empty((num_tokens, cfg.top_k), dtype=torch.float32, device=device)
-    ids = torch.empty((num_tokens, cfg.top_k), dtype=torch.int64, device=device)
+    weights = torch.empty((num_tokens, cfg.slots), dtype=torch.float32, device=device)
+    ids = torch.empty((num_tokens, cfg.slots), dtype=torch.int64, device=device)
     if num_tokens == 0:
         return weights, ids
     logits = router_logits.contiguous()
@@ -160,7 +163,7 @@ def select_experts_triton(
         logits, correction_bias if correction_bias is not None else logits, weights, ids,
         logits.stride(0), cfg.routed_scaling_factor,
         E=cfg.num_experts, BLOCK_E=block_e,
-        TOP_K=cfg.top_k, BLOCK_K=triton.next_power_of_2(cfg.top_k),
+        TOP_K=cfg.top_k, SLOTS=cfg.slots, BLOCK_K=triton.next_power_of_2(cfg.slots),
         SIGMOID=cfg.scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None,
         METHOD=_METHOD_CODES[cfg.topk_method],
         GROUP_SIZE=cfg.num_experts // n_group, N_GROUP=n_group, TOPK_GROUP=cfg.topk_group or 1,
