@@ -38,7 +38,12 @@ CONFIGS = [
     GemvConfig(32, 16, num_stages=3, use_dot=True),
 ]
 if ON_CUDA:
-    CONFIGS += [GemvConfig(8, 512), GemvConfig(16, 256, num_stages=3, use_dot=True)]
+    CONFIGS += [
+        GemvConfig(8, 512),
+        GemvConfig(16, 256, num_stages=3, use_dot=True),
+        GemvConfig(8, 512, pdl=True),
+        GemvConfig(16, 256, num_stages=3, use_dot=True, pdl=True),
+    ]
 # (N, K): N and K multiples of no tile, one row, and even tiles.
 SHAPES = [(37, 50), (1, 24), (64, 128)]
 if ON_CUDA:
@@ -115,22 +120,30 @@ def test_gated_gemv_matches_linear_then_silu_and_mul(case, dtype):
 
 @pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs need CUDA")
 def test_gemv_replays_in_cuda_graph():
-    """Captured (no host reads), a replay follows the static input's new values, bit for bit."""
+    """Captured (no host reads), a replay follows the static input's new values, bit for bit,
+    through a chain RMSNorm -> GEMV -> GEMV where each reads the previous output (under PDL the
+    GEMVs start before their producer ends and must wait for its writes)."""
+    from sglang.srt.layers.fused_ops import rms_norm
+
     x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
-    weight = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) * 4096**-0.5
-    configs = [GemvConfig(8, 512), GemvConfig(16, 256, num_stages=3, use_dot=True)]
+    norm = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    w1 = torch.randn(2 * 4096, 4096, device="cuda", dtype=torch.bfloat16) * 4096**-0.5
+    w2 = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) * 4096**-0.5
+    configs = [c for c in CONFIGS if c.block_k >= 256]
+    chain = lambda config: gemv(gemv(rms_norm(x, norm, 1e-5), w1, None, config, gated=True), w2, None, config)  # noqa: E731
     for config in configs:  # compile outside the capture
-        gemv(x, weight, None, config, gated=True)
+        chain(config)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [gemv(x, weight, None, config) for config in configs]
+        outs = [chain(config) for config in configs]
     x.normal_()
     graph.replay()
     torch.cuda.synchronize()
+    ref = F.linear(SiluAndMul()(F.linear(rms_norm(x, norm, 1e-5), w1)), w2)
     for out, config in zip(outs, configs):
-        assert torch.equal(out, gemv(x, weight, None, config))
-        _check(out, F.linear(x, weight))
+        assert torch.equal(out, chain(config)), config
+        _check(out, ref)
 
 
 def test_pick_config_reads_the_table():

@@ -12,6 +12,8 @@ plain path does, while RotaryEmbedding's rounds cos/sin and each product: a few 
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Optional
 
 import torch
@@ -37,13 +39,27 @@ def _num_warps(block: int) -> int:
 # ---------------------------------------------------------------------- RMSNorm
 
 
+@functools.cache
+def signals_dependents(device: torch.device) -> bool:
+    """Whether kernels on `device` may let the next kernel launch early (programmatic dependent
+    launch: CUDA sm90+, compiled). Only kernels launched with PDL act on the signal, and they
+    wait for this kernel's writes before reading them."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" and not interpreted and torch.version.cuda is not None and (
+        torch.cuda.get_device_capability(device)[0] >= 9
+    )
+
+
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     x_stride, res_stride, n, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SIGNAL_DEPENDENTS: tl.constexpr,
 ):
-    # One program per row; the whole row (n <= BLOCK) stays in registers.
+    # One program per row; the whole row (n <= BLOCK) stays in registers. The next kernel (a
+    # PDL-launched GEMV streaming its weights) may start at once.
+    if SIGNAL_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -73,7 +89,8 @@ def _rms_norm(
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, out if new_residual is None else new_residual,
             x2.stride(0), r2.stride(0), n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, SIGNAL_DEPENDENTS=signals_dependents(x.device),
+            num_warps=_num_warps(block),
         )
     return out, new_residual
 

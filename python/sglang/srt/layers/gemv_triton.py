@@ -10,7 +10,10 @@ Invariants: no split-K, so every output is one program's sum in a fixed order: t
 every call and replay. The wrapper launches nothing for zero rows and never reads device data
 on the host, so it can be captured in a CUDA graph. `gated` computes silu(x W_gate^T) * (x W_up^T)
 for a [gate | up] weight in the same pass (SiluAndMul folded into the GEMV's epilogue), rounded
-where the unfused GEMM + SiluAndMul round.
+where the unfused GEMM + SiluAndMul round. A `pdl` config is launched before the previous
+kernel ends (programmatic dependent launch, sm90+): it prefetches its first W steps into L2,
+then waits for that kernel's writes before touching anything else; RMSNorm, which precedes
+most GEMVs, signals its dependents at once.
 
 Which shapes take the kernel is `pick_config`'s table, measured by benchmark/kernels/bench_gemv.py.
 """
@@ -25,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.fused_ops import silu_mul
+from sglang.srt.layers.fused_ops import signals_dependents, silu_mul
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,9 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 1  # loop steps in flight per program; > 1 software-pipelines W through shared memory
     use_dot: bool = False  # tensor cores (x padded to >= 16 rows) rather than FMAs
+    # Programmatic dependent launch (where fused_ops.signals_dependents): the kernel starts
+    # before the previous one ends and streams its first two steps of W into L2 meanwhile.
+    pdl: bool = False
 
     def __post_init__(self):
         assert self.block_n & (self.block_n - 1) == 0 and self.block_k & (self.block_k - 1) == 0, "powers of two"
@@ -44,7 +50,12 @@ class GemvConfig:
 
     def __str__(self) -> str:
         kind = "dot" if self.use_dot else "fma"
-        return f"{kind} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages}"
+        return f"{kind} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages}" + (" pdl" if self.pdl else "")
+
+
+# Loop steps of W a PDL program prefetches into L2 while the previous kernel ends: about what
+# HBM delivers in that time, without flooding L2 when the first wave of programs covers more.
+_PREFETCH_STEPS = 2
 
 
 def block_m(rows: int, use_dot: bool) -> int:
@@ -69,6 +80,12 @@ def _load_tile(ptrs, rows_ok, in_k, MASK_ROWS: tl.constexpr, MASK_K: tl.constexp
     else:
         tile = tl.load(ptrs)
     return tile
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    # One L2 prefetch per pointer; no registers, no wait.
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -100,6 +117,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, MASK_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
 ):
     # Program j * m_tiles + i writes y[i*BM : (i+1)*BM, j*BN : (j+1)*BN]; N is y's width.
     # GATED: rows [0, N) of W are the gate, rows [N, 2N) the up projection.
@@ -125,6 +143,17 @@ def _gemv_kernel(
             # Pipelined loads go through shared memory anyway and stay [1, BK].
             x_tile += 0 * w_rows[:, None]
     acc_up = tl.zeros_like(acc)
+    if PDL:
+        # Launched while the previous kernel still runs: stream the first PREFETCH_LINES cache
+        # lines (the first loop steps) of this program's W rows into L2 (weights never change),
+        # then wait for that kernel's writes before any other load or store (x, and y's
+        # memory, which it may still read).
+        lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, K - 1)[None, :]
+        _prefetch_l2(w_ptr + w_rows[:, None] * w_stride + lines)
+        if GATED:
+            _prefetch_l2(w_ptr + (N + w_rows)[:, None] * w_stride + lines)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         in_k = offs_k < K - k0
         x = _load_tile(x_tile + k0, x_rows_ok, in_k, USE_DOT, MASK_K)
@@ -171,6 +200,8 @@ def gemv(
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
+    line = 128 // x.element_size()  # elements per cache line
+    pdl = config.pdl and signals_dependents(x.device)
     y = torch.empty((rows, width), dtype=out_dtype or x.dtype, device=x.device)
     if rows and width:
         bm = block_m(rows, config.use_dot)
@@ -182,7 +213,9 @@ def gemv(
             BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             NUM_STAGES=config.num_stages, USE_DOT=config.use_dot,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 as cuBLAS without TF32
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            PDL=pdl, PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(min(k, _PREFETCH_STEPS * config.block_k), line)),
+            LINE_ELEMS=line,
+            num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}),
         )
     return y.view(*x.shape[:-1], width)
 
