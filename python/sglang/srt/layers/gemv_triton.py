@@ -84,15 +84,15 @@ def _load_tile(ptrs, rows_ok, in_k, MASK_ROWS: tl.constexpr, MASK_K: tl.constexp
 
 @triton.jit
 def _prefetch_l2(ptrs):
-    # One L2 prefetch per pointer; no registers, no wait.
+    # One L2 prefetch per pointer; nothing waits for it.
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def _acc_add(acc, x, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # Tensor cores: acc [BM, BN] += x [BM, BK] @ w [BN, BK]^T. FMAs: x is one row broadcast to
-    # w's tile [BN, BK] (loaded in w's layout, so no shuffle), and acc keeps a partial sum per
-    # column, reduced over K once at the end.
+    # Tensor cores: acc [BM, BN] += x [BM, BK] @ w [BN, BK]^T. FMAs: x is one row ([1, BK], or
+    # w's [BN, BK] tile of it), and acc [BN, BK] keeps a partial sum per column, reduced over K
+    # once at the end.
     if USE_DOT:
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     else:
