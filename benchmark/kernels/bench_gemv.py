@@ -115,8 +115,9 @@ L2_SPAN = 256 << 20  # bytes of weight copies per graph: over 4x an H200's 50 MB
 MIN_CALLS = 8
 
 
-def candidates(rows: int) -> list[GemvConfig]:
-    return (FMA_CONFIGS if rows <= FMA_MAX_ROWS else []) + DOT_CONFIGS
+def candidates(rows: int, pdl: bool = True) -> list[GemvConfig]:
+    configs = (FMA_CONFIGS if rows <= FMA_MAX_ROWS else []) + DOT_CONFIGS
+    return [c for c in configs if pdl or not c.pdl]
 
 
 def graph_time_us(step: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Tensor], replays: int) -> float:
@@ -154,10 +155,10 @@ def gemv_step(shape: Shape, x: torch.Tensor, config: GemvConfig) -> Callable[[to
     return lambda w: gemv(x, w, None, config, gated=shape.gated, out_dtype=out_dtype)
 
 
-def implementations(shape: Shape, x: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+def implementations(shape: Shape, x: torch.Tensor, pdl: bool) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """cuBLAS first, then every kernel tile for x's rows."""
     impls = {"cublas": cublas_step(shape, x)}
-    impls.update({str(c): gemv_step(shape, x, c) for c in candidates(x.shape[0])})
+    impls.update({str(c): gemv_step(shape, x, c) for c in candidates(x.shape[0], pdl)})
     return impls
 
 
@@ -174,12 +175,12 @@ def make_input(shape: Shape, rows: int) -> torch.Tensor:
     return torch.randn(rows, shape.k, device="cuda", generator=gen).to(torch.bfloat16)
 
 
-def precompile(shapes: list[Shape], rows_list: list[int]) -> None:
+def precompile(shapes: list[Shape], rows_list: list[int], pdl: bool) -> None:
     """Run every implementation once (a worker process: fills Triton's on-disk kernel cache)."""
     for shape in shapes:
         weight = make_weights(shape, 1)[0]
         for rows in rows_list:
-            for name, step in implementations(shape, make_input(shape, rows)).items():
+            for name, step in implementations(shape, make_input(shape, rows), pdl).items():
                 try:
                     step(weight)
                 except Exception as e:  # reported again when bench_shape runs it
@@ -188,10 +189,10 @@ def precompile(shapes: list[Shape], rows_list: list[int]) -> None:
     torch.cuda.synchronize()
 
 
-def precompile_in_parallel(shapes: list[Shape], rows_list: list[int], jobs: int) -> None:
+def precompile_in_parallel(shapes: list[Shape], rows_list: list[int], pdl: bool, jobs: int) -> None:
     """Triton compiles on the host one kernel at a time; `jobs` processes share the ~120 tiles."""
     ctx = multiprocessing.get_context("spawn")
-    workers = [ctx.Process(target=precompile, args=(shapes[i::jobs], rows_list)) for i in range(min(jobs, len(shapes)))]
+    workers = [ctx.Process(target=precompile, args=(shapes[i::jobs], rows_list, pdl)) for i in range(min(jobs, len(shapes)))]
     for w in workers:
         w.start()
     for w in workers:
@@ -200,13 +201,13 @@ def precompile_in_parallel(shapes: list[Shape], rows_list: list[int], jobs: int)
             raise RuntimeError(f"a precompile worker failed (exit code {w.exitcode})")
 
 
-def bench_shape(shape: Shape, rows_list: list[int], replays: int, out: TextIO) -> dict[int, dict[str, float]]:
+def bench_shape(shape: Shape, rows_list: list[int], pdl: bool, replays: int, out: TextIO) -> dict[int, dict[str, float]]:
     """{rows: {implementation: us}} for one weight shape; writes a JSON line per measurement to out."""
     nbytes = shape.n * shape.k * 2
     weights = make_weights(shape, max(2, math.ceil(L2_SPAN / nbytes)))
     results: dict[int, dict[str, float]] = {}
     for rows in rows_list:
-        impls = implementations(shape, make_input(shape, rows))
+        impls = implementations(shape, make_input(shape, rows), pdl)
         ref = impls["cublas"](weights[0]).float()
         results[rows] = {}
         for name, step in impls.items():
@@ -260,6 +261,7 @@ def main() -> int:
     parser.add_argument("--margin", type=float, default=0.02, help="how much faster than cuBLAS a tile must be")
     parser.add_argument("--jobs", type=int, default=8, help="processes compiling the kernels first (0: none)")
     parser.add_argument("--jsonl", help="write the JSON lines to this file instead of stdout")
+    parser.add_argument("--no-pdl", action="store_true", help="leave out the PDL tiles (and from the table)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gemv: CUDA is required", file=sys.stderr)
@@ -269,10 +271,10 @@ def main() -> int:
     print(f"# {device}  torch {torch.__version__}  bf16  rows {args.rows}  median of {args.replays} graph replays")
     shapes = list({(s.n, s.k, s.gated): s for model in args.models for s in MODELS[model]}.values())
     if args.jobs:
-        precompile_in_parallel(shapes, args.rows, args.jobs)
+        precompile_in_parallel(shapes, args.rows, not args.no_pdl, args.jobs)
         print(f"# compiled in {time.time() - began:.0f} s", flush=True)
     with open(args.jsonl, "w") if args.jsonl else contextlib.nullcontext(sys.stdout) as out:
-        measured = {(s.n, s.k, s.gated): bench_shape(s, args.rows, args.replays, out) for s in shapes}
+        measured = {(s.n, s.k, s.gated): bench_shape(s, args.rows, not args.no_pdl, args.replays, out) for s in shapes}
 
     print("\n# summary: best kernel tile vs cuBLAS (us per call, TB/s)")
     for model in args.models:
