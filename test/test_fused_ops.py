@@ -20,7 +20,7 @@ from test_triton_kernels import NEEDS_SUBPROCESS, ON_CUDA, kernel_test, rerun_un
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.deepseek_rotary import DeepseekScalingRotaryEmbedding
 from sglang.srt.layers.layernorm import RMSNorm
-from sglang.srt.layers.rotary_embedding import Llama3RotaryEmbedding, RotaryEmbedding
+from sglang.srt.layers.rotary_embedding import Llama3RotaryEmbedding, RotaryEmbedding, as_heads
 from sglang.srt.layers.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo
 from sglang.srt.layers.step_ops import argmax, store_kv
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -142,6 +142,32 @@ def test_rotary_embedding(case, tokens, dtype):
         max_pos = 100_000 if isinstance(layer, DeepseekScalingRotaryEmbedding) else 4096
         positions = torch.randint(0, max_pos, (tokens,), generator=torch.Generator().manual_seed(tokens))
         _compare(layer, positions, q, k)
+
+
+@kernel_test
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", ROPE_TOKENS)
+@pytest.mark.parametrize("case", ROPE_CASES)
+def test_rotary_embedding_store_kv(case, tokens, pool_dtype):
+    """forward_store_kv gives forward_triton's q, and stores what forward_triton's k and v
+    give through store_kv, bit for bit; other pool rows stay untouched."""
+    head, rot, q_heads, k_heads, neox, three_d = case
+    dtype = DTYPES[-1]
+    q, k = _rope_inputs(head, q_heads, k_heads, three_d, tokens, dtype)
+    v = _randn(tokens, k_heads, 48, dtype=dtype, seed=tokens + 2, pad=5)  # a narrower head, row-strided
+    q, k, v = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+    slots = 2 * tokens + 3
+    loc = torch.randperm(slots, generator=torch.Generator().manual_seed(tokens))[:tokens].to(DEVICE)
+    for layer in _rope_layers(head, rot, neox):
+        layer = layer.to(DEVICE)
+        positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+        k_ref, v_ref = (torch.zeros(slots, k_heads, d, dtype=pool_dtype, device=DEVICE) for d in (head, 48))
+        q_ref, k_rot = layer.forward_triton(positions, q, k)
+        store_kv(k_ref, v_ref, loc, as_heads(k_rot, head), v)
+        k_buf, v_buf = torch.zeros_like(k_ref), torch.zeros_like(v_ref)
+        got = layer.forward_store_kv(positions, q, k, v if three_d else v.flatten(1), k_buf, v_buf, loc)
+        assert got.shape == q.shape and torch.equal(got, q_ref)
+        assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
 
 
 # ---------------------------------------------------------------------- KV-cache store

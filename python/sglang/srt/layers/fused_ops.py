@@ -1,7 +1,8 @@
 """Triton kernels for the element-wise layers: RMSNorm (optionally after a residual add),
-SiLU-and-mul and rotary embedding, each one launch where plain PyTorch takes 3 to 10.
+SiLU-and-mul and rotary embedding, each one launch where plain PyTorch takes 3 to 10; the
+rotary kernel can also store k and v into the KV pool (one launch for rope + KV store).
 
-Every wrapper returns new contiguous tensors, launches nothing for zero rows and never
+Every wrapper returns new contiguous tensors (the pool store writes in place), launches nothing for zero rows and never
 reads device data on the host, so all of them can be captured in a CUDA graph. Inputs may
 be row-strided views (column slices of a fused projection) but are copied when their last
 dim is not unit-stride. Arithmetic is float32. RMSNorm and SiLU-and-mul round to the input
@@ -11,6 +12,8 @@ plain path does, while RotaryEmbedding's rounds cos/sin and each product: a few 
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Optional
 
 import torch
@@ -36,13 +39,27 @@ def _num_warps(block: int) -> int:
 # ---------------------------------------------------------------------- RMSNorm
 
 
+@functools.cache
+def signals_dependents(device: torch.device) -> bool:
+    """Whether kernels on `device` may let the next kernel launch early (programmatic dependent
+    launch: CUDA sm90+, compiled). Only kernels launched with PDL act on the signal, and they
+    wait for this kernel's writes before reading them."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" and not interpreted and torch.version.cuda is not None and (
+        torch.cuda.get_device_capability(device)[0] >= 9
+    )
+
+
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     x_stride, res_stride, n, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SIGNAL_DEPENDENTS: tl.constexpr,
 ):
-    # One program per row; the whole row (n <= BLOCK) stays in registers.
+    # One program per row; the whole row (n <= BLOCK) stays in registers. The next kernel (a
+    # PDL-launched GEMV streaming its weights) may start at once.
+    if SIGNAL_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -72,7 +89,8 @@ def _rms_norm(
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, out if new_residual is None else new_residual,
             x2.stride(0), r2.stride(0), n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, SIGNAL_DEPENDENTS=signals_dependents(x.device),
+            num_warps=_num_warps(block),
         )
     return out, new_residual
 
@@ -93,6 +111,15 @@ def fused_add_rms_norm(
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in float32, silu rounded to gate's dtype first as F.silu rounds (the
+    caller rounds the product). Shared with the gated GEMV so both round alike."""
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return silu * up.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, d, BLOCK: tl.constexpr):
     # Program (row, j) writes columns [j * BLOCK, (j + 1) * BLOCK) of silu(gate) * up.
     row = tl.program_id(0).to(tl.int64)
@@ -100,9 +127,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, d, BLOCK: tl.constexpr):
     mask = cols < d
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # F.silu rounds before the product
-    tl.store(out_ptr + row * d + cols, (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    tl.store(out_ptr + row * d + cols, silu_mul(gate, up).to(gate.dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -125,30 +150,38 @@ def _rotate_head(
     HEAD: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
     # Rotates the pairs (x[i], x[i + ROT/2]) (neox) or (x[2i], x[2i+1]) (interleaved) of one
-    # head by the angle of cos[i], sin[i]; channels ROT..HEAD are copied unchanged.
+    # head by the angle of cos[i], sin[i]; channels ROT..HEAD are copied unchanged. Values
+    # round to src's dtype, then to dst's (a KV pool's, which may differ) as a store of the
+    # rotated head would.
     half = tl.arange(0, BLOCK_HALF)
     mask = half < ROT // 2
     i1 = half if NEOX else 2 * half
     i2 = i1 + (ROT // 2 if NEOX else 1)
     x1 = tl.load(src + i1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + i2, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst + i1, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
-    tl.store(dst + i2, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+    src_ty = src.dtype.element_ty
+    dst_ty = dst.dtype.element_ty
+    tl.store(dst + i1, (x1 * cos - x2 * sin).to(src_ty).to(dst_ty), mask=mask)
+    tl.store(dst + i2, (x2 * cos + x1 * sin).to(src_ty).to(dst_ty), mask=mask)
     if HEAD > ROT:
         rest = ROT + tl.arange(0, BLOCK_REST)
         rest_mask = rest < HEAD
-        tl.store(dst + rest, tl.load(src + rest, mask=rest_mask), mask=rest_mask)
+        tl.store(dst + rest, tl.load(src + rest, mask=rest_mask).to(dst_ty), mask=rest_mask)
 
 
 @triton.jit
 def _rotary_kernel(
     pos_ptr, cos_ptr, sin_ptr, cs_stride, scale,
-    q_ptr, k_ptr, q_out, k_out,
-    q_stride_t, q_stride_h, k_stride_t, k_stride_h, num_q_heads, num_k_heads,
-    HAS_POSITIONS: tl.constexpr, HEAD: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, loc_ptr, q_out, k_out, v_out,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, num_q_heads, num_k_heads,
+    HAS_POSITIONS: tl.constexpr, STORE_KV: tl.constexpr, HEAD: tl.constexpr, ROT: tl.constexpr,
+    NEOX: tl.constexpr, V_HEAD: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
-    # Program (t, h) rotates q head h of token t, or k head h - num_q_heads when h >= num_q_heads.
+    # Program (t, h) rotates q head h of token t, or k head h - num_q_heads when h >= num_q_heads,
+    # into row t of q_out / k_out. STORE_KV: k heads go to row loc[t] of the pool buffer k_out
+    # [slots, Hk, HEAD] instead, and programs h >= Hq + Hk copy v head h - Hq - Hk to row loc[t]
+    # of v_out [slots, Hk, V_HEAD].
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = tl.load(pos_ptr + t).to(tl.int64) if HAS_POSITIONS else t
@@ -159,10 +192,54 @@ def _rotary_kernel(
     if h < num_q_heads:
         src = q_ptr + t * q_stride_t + h * q_stride_h
         _rotate_head(src, q_out + (t * num_q_heads + h) * HEAD, cos, sin, HEAD, ROT, NEOX, BLOCK_HALF, BLOCK_REST)
-    else:
+    elif h < num_q_heads + num_k_heads:
         h = h - num_q_heads
+        k_row = tl.load(loc_ptr + t).to(tl.int64) if STORE_KV else t
         src = k_ptr + t * k_stride_t + h * k_stride_h
-        _rotate_head(src, k_out + (t * num_k_heads + h) * HEAD, cos, sin, HEAD, ROT, NEOX, BLOCK_HALF, BLOCK_REST)
+        _rotate_head(src, k_out + (k_row * num_k_heads + h) * HEAD, cos, sin, HEAD, ROT, NEOX, BLOCK_HALF, BLOCK_REST)
+    elif STORE_KV:  # (a constexpr: the v programs exist only when storing)
+        h = h - num_q_heads - num_k_heads
+        slot = tl.load(loc_ptr + t).to(tl.int64)
+        cols = tl.arange(0, BLOCK_V)
+        valid = cols < V_HEAD
+        v = tl.load(v_ptr + t * v_stride_t + h * v_stride_h + cols, mask=valid)
+        tl.store(v_out + (slot * num_k_heads + h) * V_HEAD + cols, v.to(v_out.dtype.element_ty), mask=valid)
+
+
+def _launch_rotary(
+    positions: Optional[torch.Tensor],
+    q3: torch.Tensor,
+    k3: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    rotary_dim: int,
+    is_neox_style: bool,
+    scale: float,
+    store: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+) -> None:
+    """q3 [T, Hq, D], k3 [T, Hk, D] (unit last stride) rotated into q_out and k_out, or with
+    store = (v3, v_out, loc) into the pool rows loc of k_out and v_out, v3 copied there."""
+    assert cos.stride() == sin.stride() and cos.stride(-1) == 1, "cos and sin must share one row layout"
+    num_tokens, num_q_heads, head_size = q3.shape
+    num_k_heads = k3.shape[1]
+    if not num_tokens:
+        return
+    v3, v_out, loc = store or (None, None, None)
+    v_head = 1 if v3 is None else v3.shape[-1]
+    _rotary_kernel[(num_tokens, num_q_heads + num_k_heads * (1 if v3 is None else 2))](
+        None if positions is None else positions.contiguous(), cos, sin, cos.stride(0), scale,
+        q3, k3, v3, loc, q_out, k_out, v_out,
+        q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
+        *((0, 0) if v3 is None else v3.stride()[:2]), num_q_heads, num_k_heads,
+        HAS_POSITIONS=positions is not None, STORE_KV=v3 is not None, HEAD=head_size, ROT=rotary_dim,
+        NEOX=is_neox_style, V_HEAD=v_head,
+        BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
+        BLOCK_REST=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
+        BLOCK_V=triton.next_power_of_2(v_head),
+        num_warps=1,
+    )
 
 
 def rotary_embedding(
@@ -182,19 +259,35 @@ def rotary_embedding(
     uses row positions[t], or row t when positions is None, both multiplied by `scale`.
     The first rotary_dim channels of each head rotate, in float32; the rest pass through.
     """
-    assert cos.stride() == sin.stride() and cos.stride(-1) == 1, "cos and sin must share one row layout"
     q3, k3 = _unit_last_stride(as_heads(q, head_size)), _unit_last_stride(as_heads(k, head_size))
     q_out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k3.shape, dtype=k.dtype, device=k.device)
-    num_tokens, num_q_heads, num_k_heads = q3.shape[0], q3.shape[1], k3.shape[1]
-    if num_tokens:
-        _rotary_kernel[(num_tokens, num_q_heads + num_k_heads)](
-            None if positions is None else positions.contiguous(), cos, sin, cos.stride(0), scale,
-            q3, k3, q_out, k_out,
-            q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), num_q_heads, num_k_heads,
-            HAS_POSITIONS=positions is not None, HEAD=head_size, ROT=rotary_dim, NEOX=is_neox_style,
-            BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
-            BLOCK_REST=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
-            num_warps=1,
-        )
+    _launch_rotary(positions, q3, k3, cos, sin, q_out, k_out, rotary_dim, is_neox_style, scale)
     return q_out.view(q.shape), k_out.view(k.shape)
+
+
+def rotary_embedding_store_kv(
+    positions: Optional[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_size: int,
+    rotary_dim: int,
+    is_neox_style: bool,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    loc: torch.Tensor,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """rotary_embedding's q; its k, and v, stored as step_ops.store_kv(k_buf, v_buf, loc, k, v)
+    stores them, all in one launch. k_buf [slots, Hk, D] and v_buf [slots, Hk, Dv] are one
+    layer's contiguous pool buffers; v is [T, Hk*Dv] or [T, Hk, Dv]; loc [T] distinct slots."""
+    q3, k3 = _unit_last_stride(as_heads(q, head_size)), _unit_last_stride(as_heads(k, head_size))
+    v3 = _unit_last_stride(as_heads(v, v_buf.shape[-1]))
+    assert k_buf.is_contiguous() and v_buf.is_contiguous() and loc.is_contiguous() and loc.shape == k3.shape[:1]
+    assert k_buf.shape[1:] == k3.shape[1:] and v_buf.shape[1:] == v3.shape[1:] and v3.shape[0] == k3.shape[0]
+    q_out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
+    _launch_rotary(positions, q3, k3, cos, sin, q_out, k_buf, rotary_dim, is_neox_style, scale, (v3, v_buf, loc))
+    return q_out.view(q.shape)

@@ -4,17 +4,49 @@ Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` t
 the full (unsharded) checkpoint tensor and copies this rank's slice into place.
 Weights are stored [out_features, in_features] like nn.Linear. Sharded layers take the
 group they shard over (default: the TP group; attention layers pass the attention-TP group).
+Every product goes through `linear`: cuBLAS, or on CUDA at decode batch sizes the Triton
+GEMV where its measured table says it is faster (layers/gemv_triton.py).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.distributed.parallel_state import ParallelGroup, get_tp
+from sglang.srt.layers.activation import SiluAndMul
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.gemv_triton import GemvConfig
+
+
+def _gemv_config(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> Optional[GemvConfig]:
+    """The Triton GEMV's config for x @ weight^T, or None for cuBLAS (always on CPU)."""
+    if not x.is_cuda:
+        return None
+    from sglang.srt.layers.gemv_triton import pick_config  # triton ships with CUDA builds of torch
+
+    return pick_config(x.numel() // x.shape[-1], weight, gated)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """F.linear(x, weight, bias).to(out_dtype), by cuBLAS or the Triton GEMV (see _gemv_config)."""
+    config = _gemv_config(x, weight, gated=False)
+    if config is not None:
+        from sglang.srt.layers.gemv_triton import gemv
+
+        return gemv(x, weight, bias, config, out_dtype=out_dtype)
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
+
 
 def _divide(n: int, d: int) -> int:
     if n % d:
@@ -43,7 +75,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 class ReplicatedLinear(LinearBase):
     """Same full weight on every rank."""
@@ -106,6 +138,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = _divide(self.output_sizes[shard_id], self.tp_size)
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         _copy(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size))
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """SiluAndMul()(self(x)) for a [gate | up] layer; where the Triton GEMV runs, the
+        activation is applied to its output tiles (no gate_up tensor, no extra launch)."""
+        assert len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1] and not self.gather_output
+        config = _gemv_config(x, self.weight, gated=True)
+        if config is None:
+            return SiluAndMul()(self(x))
+        from sglang.srt.layers.gemv_triton import gemv
+
+        return gemv(x, self.weight, self.bias, config, gated=True)
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection; heads split across ranks.
@@ -175,7 +218,7 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, loaded_weight.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.reduce_results:
             y = self.group.all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.layers.linear import linear
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
@@ -38,7 +38,10 @@ class LogitsProcessor(nn.Module):
             rows = hidden_states
         else:
             rows = hidden_states[forward_batch.last_token_indices()]
-        logits = F.linear(rows, lm_head.weight, getattr(lm_head, "bias", None))
+        # One rank: float32 straight from the GEMM (the Triton GEMV writes it without a cast kernel);
+        # several: gathered in the weight's dtype, half the bytes.
+        out_dtype = torch.float32 if lm_head.group.size == 1 else None
+        logits = linear(rows, lm_head.weight, getattr(lm_head, "bias", None), out_dtype)
         logits = lm_head.group.all_gather(logits, dim=-1)[:, : self.vocab_size].float()
 
         mode = forward_batch.capture_hidden_mode

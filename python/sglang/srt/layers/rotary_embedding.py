@@ -16,6 +16,8 @@ from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
+    mscale = 1.0  # what the Triton paths multiply cos and sin by (YaRN subclasses set their own)
+
     def __init__(
         self,
         head_size: int,
@@ -56,6 +58,26 @@ class RotaryEmbedding(nn.Module):
 
         cos, sin = self.cos_sin_cache.chunk(2, dim=-1)
         return rotary_embedding(positions, q, k, cos, sin, self.head_size, self.rotary_dim, self.is_neox_style)
+
+    def forward_store_kv(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        loc: torch.Tensor,
+    ) -> torch.Tensor:
+        """forward_triton's q; its k, and v, written to k_buf[loc] and v_buf[loc] (one layer of
+        a KV pool) in the same launch. CUDA only."""
+        from sglang.srt.layers.fused_ops import rotary_embedding_store_kv  # triton ships with CUDA builds of torch
+
+        cos, sin = self.cos_sin_cache.chunk(2, dim=-1)
+        return rotary_embedding_store_kv(
+            positions.flatten(), q, k, v, cos, sin, self.head_size, self.rotary_dim, self.is_neox_style,
+            k_buf, v_buf, loc, self.mscale,
+        )
 
     def forward_native(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -14,7 +14,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from sglang.srt.distributed.parallel_state import get_attn_tp
-from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -22,6 +21,7 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import get_rope, get_rope_params
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from sglang.srt.models.decoder_layer import PreNormDecoderLayer
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import load_weights_into
 
@@ -40,10 +40,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class LlamaAttention(nn.Module):
@@ -68,8 +67,18 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if rope_stores_kv(q, forward_batch):
+            k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
+            q = self.rotary_emb.forward_store_kv(positions, q, k, v, k_buf, v_buf, forward_batch.out_cache_loc)
+            return self.o_proj(self.attn(q, None, None, forward_batch))  # attention reads k and v from the pool
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, forward_batch))
+
+
+def rope_stores_kv(q: torch.Tensor, forward_batch: ForwardBatch) -> bool:
+    """Whether the rotary kernel stores k and v into the KV pool itself (CUDA, an MHA pool):
+    one launch where rotary + the backend's store take two."""
+    return q.is_cuda and isinstance(forward_batch.token_to_kv_pool, MHATokenToKVPool)
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
