@@ -10,9 +10,9 @@ GEMM + SiluAndMul against the gated kernel; LM heads write float32 logits on bot
 
 Writes a JSON line per (shape, M, implementation) with us per call and TB/s (weight bytes /
 time), to stdout or --jsonl, then prints a summary of the best per shape, the GEMM time per
-decode step of each model, and last the `TABLES` entry for gemv_triton.py that takes the kernel
-where it beats cuBLAS by `--margin`. Kernels compile first in --jobs processes (the on-disk
-Triton cache then serves the timing process).
+decode step of each model, and last the table that takes the kernel where it beats cuBLAS by
+`--margin`; --write-table stores it as layers/tuned/gemv-<GPU>.json, which pick_config reads.
+Kernels compile first in --jobs processes (the on-disk Triton cache then serves the timing process).
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
 
+from sglang.srt.layers import gemv_triton
 from sglang.srt.layers.fused_ops import silu_and_mul
 from sglang.srt.layers.gemv_triton import GemvConfig, gemv
+from sglang.srt.layers.tuned import write_table
 
 
 @dataclass(frozen=True)
@@ -262,6 +264,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=8, help="processes compiling the kernels first (0: none)")
     parser.add_argument("--jsonl", help="write the JSON lines to this file instead of stdout")
     parser.add_argument("--no-pdl", action="store_true", help="leave out the PDL tiles (and from the table)")
+    parser.add_argument("--write-table", action="store_true", help="store the table where the kernel reads it (layers/tuned/)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gemv: CUDA is required", file=sys.stderr)
@@ -301,13 +304,16 @@ def main() -> int:
                 chosen += shape.per_step * (times["cublas"] if config is None else times[str(config)])
             print(f"{model:8s} M={rows:<2d} cublas {base / 1000:6.3f}  table {chosen / 1000:6.3f}")
 
-    print(f"\n# gemv_triton.TABLES entry (margin {args.margin:.0%}):")
+    print(f"\n# the table (margin {args.margin:.0%}):")
     print(f'    "{device}": {{')
     for key, entries in sorted(table.items()):
         if entries:
             body = ", ".join(f"({rows}, {config_literal(config)})" for rows, config in entries)
             print(f"        {key}: ({body},),")
     print("    },")
+    if args.write_table:
+        chosen_table = {key: tuple(entries) for key, entries in table.items() if entries}
+        print(f"# table written to {write_table('gemv', device, gemv_triton.table_to_json(chosen_table))}")
     print(f"# {time.time() - began:.0f} s")
     return 0
 

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run f
 from sglang.srt.layers.fused_ops import silu_and_mul
 from sglang.srt.layers.moe.fused_moe_triton import fused_moe
 from sglang.srt.layers.moe.kernel_config import TILE_TABLE, GemmTile, MoeKernelConfig, kernel_config
+from sglang.srt.layers.tuned import write_table
 from sglang.srt.layers.moe.topk import RoutingConfig
 from sglang.srt.layers.moe.topk_triton import router_logits, select_experts_triton
 
@@ -207,6 +208,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="distinct layers per graph (HBM, not L2)")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--budget", type=float, default=90, help="seconds after which the sweeps stop early")
+    parser.add_argument("--write-table", action="store_true", help="store the best configs where the kernels read them (layers/tuned/)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_moe needs a CUDA device")
@@ -229,6 +231,8 @@ def main() -> None:
     print(f"    (sys.maxsize, {TILE_TABLE[-1][1]!r}),")
     rec = {"recommend": [{"max_pairs": s["pairs"], "config": dataclasses.asdict(s["best"])} for s in summary]}
     print(json.dumps(rec))
+    if args.write_table:
+        print(f"# table written to {write_table('moe', torch.cuda.get_device_name(), rec['recommend'])}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ Which shapes take the kernel is `pick_config`'s table, measured by benchmark/ker
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -29,6 +30,7 @@ import triton
 import triton.language as tl
 
 from sglang.srt.layers.fused_ops import signals_dependents, silu_mul
+from sglang.srt.layers.tuned import load_table
 
 
 @dataclass(frozen=True)
@@ -222,16 +224,31 @@ def gemv(
 
 # ---------------------------------------------------------------------- where it beats cuBLAS
 
-# Per GPU name, from benchmark/kernels/bench_gemv.py: (N, K, gated) of a bf16/fp16 weight ->
-# ((most rows of x, config or None for cuBLAS), ...) by ascending rows. A shape not listed, more
-# rows than the last entry, and every other dtype take cuBLAS.
+# Per GPU, measured by benchmark/kernels/bench_gemv.py --write-table (layers/tuned/gemv-<GPU>.json):
+# (N, K, gated) of a bf16/fp16 weight -> ((most rows of x, config or None for cuBLAS), ...) by
+# ascending rows. A GPU without a table, a shape not listed, more rows than the last entry, and
+# every other dtype take cuBLAS.
 Table = dict[tuple[int, int, bool], tuple[tuple[int, Optional[GemvConfig]], ...]]
-TABLES: dict[str, Table] = {"NVIDIA H200": {}}
+
+
+def table_to_json(table: Table) -> list[dict]:
+    return [
+        {"n": n, "k": k, "gated": gated, "rows": [[rows, None if c is None else dataclasses.asdict(c)] for rows, c in entries]}
+        for (n, k, gated), entries in sorted(table.items())
+    ]
+
+
+def table_from_json(rows: list[dict]) -> Table:
+    return {
+        (e["n"], e["k"], e["gated"]): tuple((r, None if c is None else GemvConfig(**c)) for r, c in e["rows"])
+        for e in rows
+    }
 
 
 @functools.cache
 def _device_table(device: torch.device) -> Table:
-    return TABLES.get(torch.cuda.get_device_name(device), {})
+    stored = load_table("gemv", torch.cuda.get_device_name(device))
+    return {} if stored is None else table_from_json(stored)
 
 
 def pick_config(rows: int, weight: torch.Tensor, gated: bool = False) -> Optional[GemvConfig]:

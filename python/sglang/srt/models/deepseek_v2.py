@@ -25,7 +25,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from sglang.srt.distributed.parallel_state import get_attn_tp, tensor_model_parallel_all_reduce
-from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.deepseek_rotary import mla_rope_pack, yarn_get_mscale
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
@@ -33,6 +32,7 @@ from sglang.srt.layers.linear import (
     MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    linear,
     stack_rows,
 )
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -93,10 +93,9 @@ class DeepseekV2MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class MoEGate(nn.Module):
@@ -211,7 +210,7 @@ class DeepseekV2Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        q_in, latent, k_pe = torch.nn.functional.linear(hidden_states, self.q_kv_a_weight, self.q_kv_a_bias).split(
+        q_in, latent, k_pe = linear(hidden_states, self.q_kv_a_weight, self.q_kv_a_bias).split(
             [self.q_in_size, self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
         )
         q = self.q_b_proj(self.q_a_layernorm(q_in)) if self.q_lora_rank else q_in

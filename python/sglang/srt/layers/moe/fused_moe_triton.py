@@ -216,7 +216,7 @@ def fused_moe(
     if num_tokens == 0:
         return out
     num_pairs = num_tokens * slots
-    config = config or kernel_config(num_pairs)
+    config = config or kernel_config(num_pairs, hidden.device)
     if config.block_m == 1:
         moe_gemv(hidden, w13, w2, topk_weights, topk_ids, out, config.w13, config.w2)
         return out

@@ -1,13 +1,20 @@
 """Tile configurations of the fused-MoE kernels, chosen by the number of (token, slot) pairs.
 
-To retune, edit TILE_TABLE: `python benchmark/kernels/bench_moe.py` times candidate configs
-on DeepSeek-V2-Lite's MoE layer and prints the rows it recommends.
+`python benchmark/kernels/bench_moe.py --write-table` times candidate configs on
+DeepSeek-V2-Lite's MoE layer and stores the best as layers/tuned/moe-<GPU>.json, which
+replaces TILE_TABLE's rows on that GPU up to its largest measured pair count.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sglang.srt.layers.tuned import load_table
 
 
 @dataclass(frozen=True)
@@ -46,5 +53,23 @@ TILE_TABLE: tuple[tuple[int, MoeKernelConfig], ...] = (
 )
 
 
-def kernel_config(num_pairs: int) -> MoeKernelConfig:
-    return next(config for max_pairs, config in TILE_TABLE if num_pairs <= max_pairs)
+def table_from_json(rows: list[dict]) -> tuple[tuple[int, MoeKernelConfig], ...]:
+    """Measured rows ({"max_pairs", "config"}), then TILE_TABLE's rows for larger batches."""
+    measured = tuple(
+        (r["max_pairs"], MoeKernelConfig(r["config"]["block_m"], GemmTile(**r["config"]["w13"]), GemmTile(**r["config"]["w2"])))
+        for r in rows
+    )
+    largest = measured[-1][0] if measured else 0
+    return measured + tuple((bound, config) for bound, config in TILE_TABLE if bound > largest)
+
+
+@functools.cache
+def _device_table(device_index: int) -> tuple[tuple[int, MoeKernelConfig], ...]:
+    stored = load_table("moe", torch.cuda.get_device_name(device_index))
+    return TILE_TABLE if stored is None else table_from_json(stored)
+
+
+def kernel_config(num_pairs: int, device: Optional[torch.device] = None) -> MoeKernelConfig:
+    """The config for a batch of num_pairs (token, slot) pairs on `device` (TILE_TABLE off CUDA)."""
+    table = _device_table(device.index or 0) if device is not None and device.type == "cuda" else TILE_TABLE
+    return next(config for max_pairs, config in table if num_pairs <= max_pairs)
