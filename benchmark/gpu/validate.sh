@@ -23,14 +23,24 @@ case "${1:-}" in
       --out "$out/smollm2_gpu_bf16.json" --compare benchmark/accuracy/smollm2_cpu_f32.json -- --disable-cuda-graph
     step smollm2_decode 150 python3 benchmark/bench_decode.py --model-path "$smollm2" --batch-sizes 1 32 -- --disable-cuda-graph
     ;;
-  decode)
-    step llama8b_decode 200 python3 benchmark/bench_decode.py --config benchmark/configs/llama-3.1-8b.json \
-      --batch-sizes 1 32 -- --disable-cuda-graph
-    step llama8b_hf 500 python3 benchmark/bench_hf_decode.py --config benchmark/configs/llama-3.1-8b.json --batch-sizes 1 32
-    step dsv2lite_decode 200 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
-      --batch-sizes 1 32 -- --disable-cuda-graph
-    step dsv2lite_nextn 200 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
-      --batch-sizes 1 -- --disable-cuda-graph --speculative-algorithm NEXTN --speculative-num-steps 3 \
+  tune)  # measured kernel tables for this GPU (layers/tuned/*.json; copies in $OUT)
+    # shellcheck disable=SC2086
+    step tune_gemv 200 python3 benchmark/kernels/bench_gemv.py --rows 1 4 8 32 --write-table --jsonl "$out/gemv.jsonl" ${GEMV_FLAGS:-}
+    step tune_moe 150 python3 benchmark/kernels/bench_moe.py --budget 45 --write-table
+    cp python/sglang/srt/layers/tuned/*.json "$out/" 2>/dev/null
+    ;;
+  decode)  # decode step with CUDA graphs, and Hugging Face transformers on the same machine
+    step llama8b_decode 150 python3 benchmark/bench_decode.py --config benchmark/configs/llama-3.1-8b.json \
+      --batch-sizes 1 32 -- --cuda-graph-max-bs 32
+    step smollm2_decode 100 python3 benchmark/bench_decode.py --config benchmark/configs/smollm2-135m.json \
+      --batch-sizes 1 32 -- --cuda-graph-max-bs 32
+    step llama8b_hf 240 python3 benchmark/bench_hf_decode.py --config benchmark/configs/llama-3.1-8b.json --batch-sizes 1 32
+    ;;
+  deepseek)  # DeepSeek-V2-Lite shape: plain decode and one NEXTN 3/1/4 cycle, with CUDA graphs
+    step dsv2lite_decode 120 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
+      --batch-sizes 1 32 -- --cuda-graph-max-bs 32
+    step dsv2lite_nextn 150 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
+      --batch-sizes 1 32 -- --cuda-graph-max-bs 32 --speculative-algorithm NEXTN --speculative-num-steps 3 \
       --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
     ;;
   graphs)  # one GPU: CUDA graphs for plain decode and for every speculative sub-forward
@@ -46,5 +56,5 @@ case "${1:-}" in
     step llama8b_profile 200 python3 benchmark/profile_engine.py --config benchmark/configs/llama-3.1-8b.json \
       --output-dir "$out/profile" -- --cuda-graph-max-bs 8
     ;;
-  *) echo "usage: validate.sh kernels|decode|graphs"; exit 2 ;;
+  *) echo "usage: validate.sh kernels|tune|decode|deepseek|graphs"; exit 2 ;;
 esac
