@@ -44,6 +44,9 @@ stop() {
 
 serving() {  # serving LABEL PROMPTS OUTPUT_LEN: held-out prompts at concurrency 1 (16 prompts) and 32 (64)
   for c in 1 32; do
+    # One unrecorded wave first: kernels of the new batch sizes compile outside the measurement.
+    python -m sglang.bench_serving --backend sglang --port "$port" --dataset-name file --dataset-path "$2" \
+      --num-prompts "$c" --random-output-len "$3" --max-concurrency "$c" --flush-cache >/dev/null
     python -m sglang.bench_serving --backend sglang --port "$port" --dataset-name file --dataset-path "$2" \
       --num-prompts $((c == 1 ? 16 : 64)) --random-output-len "$3" --max-concurrency "$c" --flush-cache \
       --output-file "$out/serving_$1.jsonl"
