@@ -8,9 +8,13 @@ from typing import Any, Optional
 
 import torch
 
+from sglang.srt.mem_cache.memory_pool import TableWrite
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.utils.transfer import upload
+
+
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass
@@ -106,7 +110,8 @@ class ScheduleBatch:
     reqs: list[Req]
     input_ids: list[int]
     positions: list[int]
-    out_cache_loc: Optional[torch.Tensor]  # None until the worker assigns slots (decode)
+    # The new tokens' KV slots on the device (decode: set by to_forward_batch from kv_write).
+    out_cache_loc: Optional[torch.Tensor]
     seq_lens: list[int]
     extend_lens: list[int]
     prefix_lens: list[int] = field(default_factory=list)
@@ -119,6 +124,8 @@ class ScheduleBatch:
     future: Optional[FutureTokens] = None
     future_dst: list[int] = field(default_factory=list)
     future_src: list[int] = field(default_factory=list)
+    # Decode: the new tokens' slots and table entries, still on the host (uploaded with the batch).
+    kv_write: Optional[TableWrite] = None
 
     @classmethod
     def idle(cls) -> "ScheduleBatch":
@@ -154,8 +161,10 @@ class ScheduleBatch:
         return batch
 
     def to_forward_batch(self, device: str) -> ForwardBatch:
-        """The batch's host lists reach the device through one upload."""
-        input_ids, positions, req_pool_indices, seq_lens, extend_seq_lens, dst, src = upload(
+        """The batch's host lists, and its new slots with their table entries (kv_write), reach
+        the device through one upload."""
+        pending = self.kv_write
+        input_ids, positions, req_pool_indices, seq_lens, extend_seq_lens, dst, src, index, slots = upload(
             [
                 self.input_ids,
                 self.positions,
@@ -164,9 +173,16 @@ class ScheduleBatch:
                 self.extend_lens,
                 self.future_dst,
                 self.future_src,
+                [] if pending is None else pending.index,
             ],
             device,
+            tensors=[_NO_SLOTS if pending is None else pending.slots],
         )
+        if pending is not None:
+            pending.pool.write_at(index, slots)
+            self.out_cache_loc, self.kv_write = slots, None
+        else:  # assigned before (extend: already on the device) or none (an idle batch)
+            self.out_cache_loc = self.out_cache_loc.to(device)
         if self.future is not None:
             input_ids.index_copy_(0, dst, self.future.ids.index_select(0, src))
         return ForwardBatch(
@@ -174,7 +190,7 @@ class ScheduleBatch:
             batch_size=len(self.reqs),
             input_ids=input_ids,
             positions=positions,
-            out_cache_loc=self.out_cache_loc.to(device),  # already there, except for an idle batch
+            out_cache_loc=self.out_cache_loc,
             req_pool_indices=req_pool_indices,
             seq_lens=seq_lens,
             extend_seq_lens=extend_seq_lens,

@@ -114,12 +114,16 @@ class TpModelWorker:
     def launch(self, batch: ScheduleBatch) -> LaunchedStep:
         """Queue the forward and the sampling without waiting for the device."""
         if batch.mode == ForwardMode.DECODE:
-            batch.out_cache_loc = self.kv.assign(batch.reqs, [1] * len(batch.reqs))
+            batch.kv_write = self.kv.assign_next_on_upload(batch.reqs)
         output = self.runner.forward(batch.to_forward_batch(self.device))
         if batch.mode == ForwardMode.IDLE:
             return LaunchedStep(GenerationResult([], []))
-        # Requests whose whole sequence now has KV get a token; a chunked prefill does not.
-        ready = [i for i, r in enumerate(batch.reqs) if r.kv_len + batch.extend_lens[i] == r.full_len]
+        # Requests whose whole sequence now has KV get a token (in decode: all); a chunked
+        # prefill does not.
+        if batch.mode == ForwardMode.DECODE:
+            ready = list(range(len(batch.reqs)))
+        else:
+            ready = [i for i, r in enumerate(batch.reqs) if r.kv_len + batch.extend_lens[i] == r.full_len]
         step = LaunchedStep(GenerationResult([[] for _ in batch.reqs], list(batch.extend_lens)))
         if ready:
             step.sampled = self.launch_sampling(batch.reqs, ready, output)

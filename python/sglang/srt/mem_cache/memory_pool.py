@@ -7,11 +7,12 @@ the allocator never hands it out.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from sglang.srt.utils.transfer import to_device
+from sglang.srt.utils.transfer import upload
 
 
 class ReqToTokenPool:
@@ -21,6 +22,7 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self.flat_table = self.req_to_token.view(-1)
         self.free_slots = list(range(size))
 
     def available_size(self) -> int:
@@ -35,17 +37,34 @@ class ReqToTokenPool:
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.req_to_token[row, start : start + len(slots)] = slots
 
+    def span_index(self, rows: list[int], starts: list[int], counts: list[int]) -> torch.Tensor:
+        """Flat table index (host) of positions starts[i] : starts[i] + counts[i] of rows[i],
+        span after span."""
+        n = np.asarray(counts, dtype=np.int64)
+        first = np.asarray(rows, dtype=np.int64) * self.max_context_len + np.asarray(starts, dtype=np.int64)
+        # Each position: its span's first index + its offset in the span.
+        return torch.from_numpy(np.arange(n.sum()) + np.repeat(first - (np.cumsum(n) - n), n))
+
+    def write_at(self, index: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token.view(-1)[index] = slots (both on the table's device; index unique)."""
+        self.flat_table.index_copy_(0, index, slots)
+
     def write_spans(self, rows: list[int], starts: list[int], counts: list[int], slots: torch.Tensor) -> torch.Tensor:
         """req_to_token[rows[i], starts[i] : starts[i] + counts[i]] = the next counts[i] of
         `slots` (host), for every i, through one upload; returns the slots on the device."""
-        n = np.asarray(counts, dtype=np.int64)
-        first = np.asarray(rows, dtype=np.int64) * self.max_context_len + np.asarray(starts, dtype=np.int64)
-        # Flat table index of each slot: its span's first index + its offset in the span.
-        index = torch.from_numpy(np.arange(len(slots)) + np.repeat(first - (np.cumsum(n) - n), n))
-        packed = to_device(torch.cat([slots, index]), self.req_to_token.device)
-        dev_slots, dev_index = packed.split_with_sizes([len(slots)] * 2)
-        self.req_to_token.view(-1)[dev_index] = dev_slots
+        dev_index, dev_slots = upload([], self.req_to_token.device, tensors=[self.span_index(rows, starts, counts), slots])
+        self.write_at(dev_index, dev_slots)
         return dev_slots
+
+
+@dataclass
+class TableWrite:
+    """New entries of the request->token table, kept on the host until the upload of the batch
+    that uses them: then `pool.write_at(index, slots)` with the device copies."""
+
+    pool: ReqToTokenPool
+    index: list[int]  # flat table positions
+    slots: torch.Tensor  # KV slots (host)
 
 
 class TokenToKVPoolAllocator:
