@@ -14,11 +14,12 @@ for the device included (in `process`).
     python benchmark/host_overhead.py --tiny --batch-sizes 32 --profile 25 -- --device cpu
 
 `--graph-standin` (CPU) takes the CUDA-graph path of the model runner (graph choice, static
-inputs, replay, output copies) with a stand-in graph whose replay runs the model eagerly on
-the static inputs. Flags after `--` are server flags (e.g. `--disable-overlap-schedule`).
+inputs, replay, output copies) with stand-in graphs whose replay does nothing: what is left
+is the host work of a graph step, as on CUDA, without the model. Flags after `--` are server flags (e.g. `--disable-overlap-schedule`).
 The scheduler's request socket is real (nothing arrives on it); messages to the detokenizer
 are pickled as its socket would, not sent. One JSON line per batch size; each figure is the
-median over --repeats runs of the mean per iteration, in microseconds.
+median over --repeats runs of the mean per iteration, in microseconds (`best_host_us`: the
+smallest run's, steadier on a shared machine).
 """
 
 from __future__ import annotations
@@ -89,25 +90,21 @@ class PhaseTimer:
         return timed
 
 
-class EagerGraph:
-    """A CUDA graph's stand-in on CPU: replay() runs the model eagerly on the static inputs
-    and leaves its logits where a replayed graph would."""
-
-    def __init__(self, graphs: CudaGraphRunner, key: GraphKey):
-        self.graphs, self.key = graphs, key
+class NullGraph:
+    """A CUDA graph's stand-in on CPU whose replay does nothing: the model never runs and the
+    logits stay as they are (zero: every sampled token is 0), so a step costs its host work only."""
 
     def replay(self) -> None:
-        batch = self.graphs.inputs.batch(self.key, self.graphs.modes[self.key.mode])
-        logits = self.graphs.model_runner.forward_eager(batch).next_token_logits  # timed as "model"
-        self.graphs.out_logits[: logits.shape[0]].copy_(logits)
+        pass
 
 
 def standin_capture(graphs: CudaGraphRunner) -> None:
-    """CudaGraphRunner.capture on CPU, with EagerGraph graphs."""
+    """CudaGraphRunner.capture on CPU, with NullGraph graphs and zero logits."""
     largest = max(graphs.keys, key=lambda k: k.num_tokens)
     warm = graphs.model_runner.forward_eager(graphs.inputs.padding_batch(largest, graphs.modes[largest.mode]))
     graphs.allocate_outputs(warm, torch.device("cpu"))
-    graphs.graphs = {key: EagerGraph(graphs, key) for key in graphs.keys}
+    graphs.out_logits.zero_()
+    graphs.graphs = {key: NullGraph() for key in graphs.keys}
 
 
 def new_scheduler(server_args: ServerArgs, graph_standin: bool) -> Scheduler:
@@ -193,6 +190,7 @@ def bench(scheduler: Scheduler, timer: PhaseTimer, args: argparse.Namespace, bat
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
     row = {"batch_size": batch_size, "iterations": args.iterations, "repeats": args.repeats}
     row.update({k: round(statistics.median(r[k] for r in runs), 1) for k in runs[0]})
+    row["best_host_us"] = round(min(r["host_us"] for r in runs), 1)
     return row
 
 
@@ -212,7 +210,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--stream", action="store_true", help="streaming requests (every step is sent)")
     parser.add_argument("--profile", type=int, default=0, help="print this many cProfile rows (stderr)")
-    parser.add_argument("--graph-standin", action="store_true", help="CPU: the CUDA-graph path, graphs run eagerly")
+    parser.add_argument("--graph-standin", action="store_true", help="CPU: the CUDA-graph path, graphs that do nothing")
     parser.add_argument(
         "--clock", choices=["wall", "thread"], default=None,
         help="wall: perf_counter; thread: this thread's CPU time, blind to other processes on a busy machine "
