@@ -70,14 +70,14 @@ class Req:
 
     def check_finished(self, eos_ids: set[int], context_len: int, tail_text: Optional[str]) -> None:
         """Set finished_reason after output_ids grew; tail_text is the decoded end of the output."""
-        if self.finished:
+        if self.finished_reason is not None:
             return
         params = self.sampling_params
         n_out = len(self.output_ids)
         if n_out >= params.max_new_tokens:
             self.finished_reason = {"type": "length", "length": params.max_new_tokens}
             return
-        if self.seq_len >= context_len:
+        if len(self.origin_input_ids) + n_out >= context_len:  # seq_len
             self.finished_reason = {"type": "length", "length": n_out}
             return
         if n_out <= params.min_new_tokens:
@@ -150,8 +150,8 @@ class ScheduleBatch:
         """Each req feeds its newest token, whose KV is not in the pool yet; a token still in
         flight is taken from `future` on the device."""
         input_ids = [0 if r.in_flight else r.output_ids[-1] for r in reqs]
-        positions = [r.full_len - 1 for r in reqs]
         seq_lens = [r.full_len for r in reqs]
+        positions = [n - 1 for n in seq_lens]
         batch = cls(ForwardMode.DECODE, reqs, input_ids, positions, None, seq_lens, [1] * len(reqs), positions)
         dst = [i for i, r in enumerate(reqs) if r.in_flight]
         if dst:

@@ -7,6 +7,7 @@ so that speculative workers can plug in behind the same call.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -79,8 +80,8 @@ class LaunchedStep:
         """The sampled tokens, still on the device, for the next step to feed (None if none)."""
         if self.sampled is None:
             return None
-        rids = [self.sampled.reqs[i].rid for i in self.sampled.rows]
-        return FutureTokens(self.sampled.out.next_token_ids, {rid: j for j, rid in enumerate(rids)})
+        reqs = self.sampled.reqs
+        return FutureTokens(self.sampled.out.next_token_ids, {reqs[i].rid: j for j, i in enumerate(self.sampled.rows)})
 
     def resolve(self) -> GenerationResult:
         if self.sampled is not None:
@@ -95,6 +96,8 @@ class TpModelWorker:
         self.sampler = Sampler(server_args.enable_nan_detection)
         self.generators: dict[str, torch.Generator] = {}
         self.kv: Optional[ReqKVManager] = None  # set by the scheduler once the cache exists
+        # sampling_of's last batch: (vocab size, batch size), its requests, what it returned.
+        self.last_sampling: Optional[tuple[tuple[int, int], list[Req], tuple[SamplingBatchInfo, bool, int]]] = None
 
     # Tokens each running request may need in one decode step (the scheduler keeps them free).
     def decode_kv_need_per_req(self) -> int:
@@ -149,13 +152,25 @@ class TpModelWorker:
         return SampledRows(reqs, rows, out, HostCopy(out.next_token_ids, *extra), want_logprobs)
 
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> SampleOutput:
+        info, want_logprob, top_n = self.sampling_of(reqs, logits.shape[-1])
+        return self.sampler(logits, info, want_logprob, top_n)
+
+    def sampling_of(self, reqs: list[Req], vocab_size: int) -> tuple[SamplingBatchInfo, bool, int]:
+        """The batch's sampling parameters, whether it wants logprobs, and its top-logprobs
+        count. The same requests as the previous batch (decode, step after step) reuse them,
+        unless penalties read the tokens so far."""
+        cached = self.last_sampling
+        if cached is not None and cached[0] == (vocab_size, len(reqs)) and all(map(operator.is_, cached[1], reqs)):
+            return cached[2]
         info = SamplingBatchInfo.from_requests(
             [r.sampling_params for r in reqs],
             [(r.origin_input_ids, r.output_ids) for r in reqs],
             [self.generators.get(r.rid) for r in reqs],
-            logits.shape[-1],
+            vocab_size,
             self.device,
         )
         want_logprob = any(r.return_logprob for r in reqs)
         top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
-        return self.sampler(logits, info, want_logprob, top_n)
+        sampling = (info, want_logprob, top_n)
+        self.last_sampling = ((vocab_size, len(reqs)), list(reqs), sampling) if info.output_counts is None else None
+        return sampling

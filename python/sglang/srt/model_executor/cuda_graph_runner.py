@@ -211,6 +211,8 @@ class StaticInputs:
     def _pad(self, key: GraphKey, mode: CapturedMode, rows: int, tokens: int) -> None:
         """Fill requests rows..key.batch_size (tokens tokens..key.num_tokens) with padding."""
         bs, n, tpr = key.batch_size, key.num_tokens, key.tokens_per_req
+        if rows == bs:  # tokens == n too: nothing to pad
+            return
         column = self._pad_column(key.pad_seq_len, tpr)
         if n == bs:  # one token per request: token and request rows pad the same columns
             self.int_rows[:, rows:bs].copy_(column.expand(-1, bs - rows))
