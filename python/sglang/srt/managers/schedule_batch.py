@@ -120,7 +120,8 @@ class ScheduleBatch:
     # DP attention: DECODE when no DP rank extends this iteration (decode graphs may replay).
     global_forward_mode: Optional[ForwardMode] = None
     # Decode under overlap scheduling: input_ids[future_dst[j]] = future.ids[future_src[j]], filled
-    # on the device (the host list holds placeholders there).
+    # on the device (the host list holds placeholders there); when both are every row in order,
+    # the device input ids are a view of future.ids.
     future: Optional[FutureTokens] = None
     future_dst: list[int] = field(default_factory=list)
     future_src: list[int] = field(default_factory=list)
@@ -184,7 +185,11 @@ class ScheduleBatch:
         else:  # assigned before (extend: already on the device) or none (an idle batch)
             self.out_cache_loc = self.out_cache_loc.to(device)
         if self.future is not None:
-            input_ids.index_copy_(0, dst, self.future.ids.index_select(0, src))
+            rows = list(range(len(self.reqs)))
+            if self.future_dst == rows and self.future_src == rows:  # each row's token: the step's same row
+                input_ids = self.future.ids[: len(rows)]
+            else:
+                input_ids.index_copy_(0, dst, self.future.ids.index_select(0, src))
         return ForwardBatch(
             mode=self.mode,
             batch_size=len(self.reqs),

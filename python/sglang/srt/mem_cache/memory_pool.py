@@ -22,7 +22,6 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
-        self.flat_table = self.req_to_token.view(-1)
         self.free_slots = list(range(size))
 
     def available_size(self) -> int:
@@ -47,7 +46,7 @@ class ReqToTokenPool:
 
     def write_at(self, index: torch.Tensor, slots: torch.Tensor) -> None:
         """req_to_token.view(-1)[index] = slots (both on the table's device; index unique)."""
-        self.flat_table.index_copy_(0, index, slots)
+        self.req_to_token.view(-1).index_copy_(0, index, slots)
 
     def write_spans(self, rows: list[int], starts: list[int], counts: list[int], slots: torch.Tensor) -> torch.Tensor:
         """req_to_token[rows[i], starts[i] : starts[i] + counts[i]] = the next counts[i] of
