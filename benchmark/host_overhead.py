@@ -15,11 +15,14 @@ for the device included (in `process`).
 
 `--graph-standin` (CPU) takes the CUDA-graph path of the model runner (graph choice, static
 inputs, replay, output copies) with stand-in graphs whose replay does nothing: what is left
-is the host work of a graph step, as on CUDA, without the model. Flags after `--` are server flags (e.g. `--disable-overlap-schedule`).
-The scheduler's request socket is real (nothing arrives on it); messages to the detokenizer
-are pickled as its socket would, not sent. One JSON line per batch size; each figure is the
-median over --repeats runs of the mean per iteration, in microseconds (`best_host_us`: the
-smallest run's, steadier on a shared machine).
+is the host work of a graph step, as on CUDA, without the model. Flags after `--` are server
+flags (e.g. `--disable-overlap-schedule`). The scheduler's request socket is real (nothing
+arrives on it); messages to the detokenizer are pickled as its socket would, not sent.
+
+One JSON line per batch size; each figure is the median over --repeats runs of the mean per
+iteration, in microseconds (`best_host_us`: the smallest run's, steadier on a shared
+machine). The phase timers are included: about 7 us per iteration with the thread clock,
+well under 1 us with the wall clock.
 """
 
 from __future__ import annotations
@@ -57,16 +60,12 @@ PHASES = ("schedule", "launch", "forward", "model", "process")
 class PicklingDetokenizer:
     """Stands in for the detokenizer socket: pays the pickling that send_pyobj does."""
 
-    def __init__(self) -> None:
-        self.messages = 0
-
     def send_pyobj(self, msg) -> None:
         pickle.dumps(msg, pickle.DEFAULT_PROTOCOL)
-        self.messages += 1
 
 
 class PhaseTimer:
-    """Accumulates perf_counter seconds per phase of the wrapped callables. The profiler, when
+    """Accumulates the clock's seconds per phase of the wrapped callables. The profiler, when
     set, is paused inside the model's forward (its rows are then host work only)."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
@@ -195,14 +194,13 @@ def bench(scheduler: Scheduler, timer: PhaseTimer, args: argparse.Namespace, bat
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    engine_argv = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
+    engine_argv = sys.argv[split + 1 :]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--config", default=DEFAULT_CONFIG, help="HF config.json: random weights of that shape")
-    source.add_argument("--model-path", help="a real model")
     source.add_argument("--tiny", action="store_true", help="a tiny random Llama (2 layers, 384-token vocabulary)")
+    source.add_argument("--model-path", help="a real model")
+    source.add_argument("--config", default=DEFAULT_CONFIG, help="HF config.json: random weights of that shape")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--iterations", type=int, default=200, help="timed decode iterations per run")
@@ -216,7 +214,7 @@ def main() -> None:
         help="wall: perf_counter; thread: this thread's CPU time, blind to other processes on a busy machine "
         "(default: thread on CPU, wall on CUDA)",
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_args(sys.argv[1:split])
 
     extra: list[str] = []
     if args.tiny:
