@@ -85,13 +85,13 @@ class TokenToKVPoolAllocator:
         self.num_released = 0
 
     def available_size(self) -> int:
-        return len(self.free_slots) + self.num_released
+        return self.free_slots.shape[0] + self.num_released  # shape[0]: cheaper than len(), Python code for a tensor
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """n free slots, on the host (None if there are fewer)."""
-        if n > len(self.free_slots):
+        if n > self.free_slots.shape[0]:
             self._merge_released()
-            if n > len(self.free_slots):
+            if n > self.free_slots.shape[0]:
                 return None
         out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
         return out
