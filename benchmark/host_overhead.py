@@ -116,7 +116,9 @@ def new_scheduler(server_args: ServerArgs, graph_standin: bool) -> Scheduler:
         return Scheduler(server_args, PortArgs.init_new(server_args), 0, 0, None)
 
 
-def make_scheduler(server_args: ServerArgs, graph_standin: bool, clock: Callable[[], float]) -> tuple[Scheduler, PhaseTimer]:
+def make_scheduler(
+    server_args: ServerArgs, graph_standin: bool, clock: Callable[[], float]
+) -> tuple[Scheduler, PhaseTimer]:
     """A scheduler whose phases are timed; its request socket is real (nothing arrives)."""
     scheduler = new_scheduler(server_args, graph_standin)
     scheduler.send_to_detokenizer = PicklingDetokenizer()
@@ -230,7 +232,8 @@ def main() -> None:
     extra += ["--max-running-requests", str(running), "--max-total-tokens", str(tokens)]
     server_args = prepare_server_args(["--model-path", model_path, *extra, *engine_argv])
     clock = args.clock or ("thread" if server_args.device == "cpu" else "wall")
-    scheduler, timer = make_scheduler(server_args, args.graph_standin, time.thread_time if clock == "thread" else time.perf_counter)
+    clock_fn = time.thread_time if clock == "thread" else time.perf_counter
+    scheduler, timer = make_scheduler(server_args, args.graph_standin, clock_fn)
     for bs in args.batch_sizes:
         row = bench(scheduler, timer, args, bs)
         row.update(

@@ -72,7 +72,8 @@ def test_the_same_requests_reuse_their_sampling_parameters(tiny_llama_dir):
     from sglang.srt.server_args import ServerArgs
     from sglang.test.inprocess_scheduler import start_scheduler
 
-    worker = start_scheduler(ServerArgs(model_path=tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=256)).worker
+    args = ServerArgs(model_path=tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=256)
+    worker = start_scheduler(args).worker
     reqs = [Req("a", [1], SamplingParams(temperature=0.5, top_p=0.9)), Req("b", [2], SamplingParams(temperature=0))]
     first = worker.sampling_of(reqs, 64)
     assert first[0].temperatures.view(-1).tolist() == [0.5, 1.0] and first[1:] == (False, 0)

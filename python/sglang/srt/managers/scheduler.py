@@ -334,7 +334,8 @@ class Scheduler:
     def ends_by_length(self, req: Req) -> bool:
         """Whether the request is done once its tokens in flight arrive, whatever they are."""
         outputs = len(req.output_ids) + req.in_flight
-        return outputs >= req.sampling_params.max_new_tokens or len(req.origin_input_ids) + outputs >= self.context_len  # full_len
+        full_len = len(req.origin_input_ids) + outputs  # req.full_len, without two property calls
+        return outputs >= req.sampling_params.max_new_tokens or full_len >= self.context_len
 
     def retract(self, req: Req) -> None:
         """Out of KV for decoding: send the newest request back to the queue (it re-prefills)."""

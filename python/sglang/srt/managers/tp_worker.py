@@ -89,6 +89,20 @@ class LaunchedStep:
         return self.result
 
 
+@dataclass
+class _LastSampling:
+    """What TpModelWorker.sampling_of returned for its last batch (none kept when penalties
+    read the tokens so far)."""
+
+    vocab_size: int
+    reqs: list[Req]
+    sampling: tuple[SamplingBatchInfo, bool, int]
+
+
+def _same_objects(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
 class TpModelWorker:
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig, gpu_id: int, tp_rank: int):
         self.runner = ModelRunner(model_config, server_args, gpu_id, tp_rank, server_args.tp_size)
@@ -96,8 +110,7 @@ class TpModelWorker:
         self.sampler = Sampler(server_args.enable_nan_detection)
         self.generators: dict[str, torch.Generator] = {}
         self.kv: Optional[ReqKVManager] = None  # set by the scheduler once the cache exists
-        # sampling_of's last batch: (vocab size, batch size), its requests, what it returned.
-        self.last_sampling: Optional[tuple[tuple[int, int], list[Req], tuple[SamplingBatchInfo, bool, int]]] = None
+        self.last_sampling: Optional[_LastSampling] = None
 
     # Tokens each running request may need in one decode step (the scheduler keeps them free).
     def decode_kv_need_per_req(self) -> int:
@@ -160,8 +173,8 @@ class TpModelWorker:
         count. The same requests as the previous batch (decode, step after step) reuse them,
         unless penalties read the tokens so far."""
         cached = self.last_sampling
-        if cached is not None and cached[0] == (vocab_size, len(reqs)) and all(map(operator.is_, cached[1], reqs)):
-            return cached[2]
+        if cached is not None and cached.vocab_size == vocab_size and _same_objects(cached.reqs, reqs):
+            return cached.sampling
         info = SamplingBatchInfo.from_requests(
             [r.sampling_params for r in reqs],
             [(r.origin_input_ids, r.output_ids) for r in reqs],
@@ -172,5 +185,5 @@ class TpModelWorker:
         want_logprob = any(r.return_logprob for r in reqs)
         top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
         sampling = (info, want_logprob, top_n)
-        self.last_sampling = ((vocab_size, len(reqs)), list(reqs), sampling) if info.output_counts is None else None
+        self.last_sampling = None if info.output_counts is not None else _LastSampling(vocab_size, list(reqs), sampling)
         return sampling

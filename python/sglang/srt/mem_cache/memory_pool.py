@@ -51,7 +51,8 @@ class ReqToTokenPool:
     def write_spans(self, rows: list[int], starts: list[int], counts: list[int], slots: torch.Tensor) -> torch.Tensor:
         """req_to_token[rows[i], starts[i] : starts[i] + counts[i]] = the next counts[i] of
         `slots` (host), for every i, through one upload; returns the slots on the device."""
-        dev_index, dev_slots = upload([], self.req_to_token.device, tensors=[self.span_index(rows, starts, counts), slots])
+        index = self.span_index(rows, starts, counts)
+        dev_index, dev_slots = upload([], self.req_to_token.device, tensors=[index, slots])
         self.write_at(dev_index, dev_slots)
         return dev_slots
 

@@ -55,7 +55,8 @@ class ReqKVManager:
     def write_after_kv(self, reqs: list[Req], counts: list[int], slots: torch.Tensor) -> torch.Tensor:
         """Host slots, the next counts[i] of them into request i's row from its kv_len (one
         upload); returns them on the table's device."""
-        return self.req_to_token_pool.write_spans(*_spans(reqs), counts, slots)
+        rows, starts = [r.req_pool_idx for r in reqs], [r.kv_len for r in reqs]
+        return self.req_to_token_pool.write_spans(rows, starts, counts, slots)
 
     def slots_of(self, req: Req, start: int, end: int) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end]
@@ -96,8 +97,3 @@ class ReqKVManager:
             self.allocator.free(slots)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node = None, None
-
-
-def _spans(reqs: list[Req]) -> tuple[list[int], list[int]]:
-    """Each request's table row and first position without KV."""
-    return [r.req_pool_idx for r in reqs], [r.kv_len for r in reqs]
