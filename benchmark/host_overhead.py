@@ -163,7 +163,7 @@ def timed_iterations(scheduler: Scheduler, timer: PhaseTimer, iterations: int) -
     for _ in range(iterations):
         scheduler.run_iteration()
     total = timer.clock() - start
-    assert len(scheduler.running) == running, "a request finished while timed: raise --max-new-tokens"
+    assert len(scheduler.running) == running, "a request finished or was retracted while timed"
     row = {"us_per_iter": total}
     row.update({f"{p}_us": timer.seconds[p] for p in PHASES})
     row["host_us"] = total - timer.seconds["model"]
@@ -174,6 +174,10 @@ def timed_iterations(scheduler: Scheduler, timer: PhaseTimer, iterations: int) -
 
 def bench(scheduler: Scheduler, timer: PhaseTimer, args: argparse.Namespace, batch_size: int) -> dict:
     max_new = args.warmup + args.repeats * args.iterations + 8
+    need = batch_size * (args.input_len + max_new)
+    if need > scheduler.allocator.size:  # else requests are retracted while timed
+        raise SystemExit(f"batch {batch_size} needs {need} KV slots, the pool has {scheduler.allocator.size}: "
+                         "lower --iterations or --repeats")
     start_decoding(scheduler, batch_size, args.input_len, max_new, args.stream, f"bs{batch_size}")
     timed_iterations(scheduler, timer, args.warmup)
     profiler = timer.profiler = cProfile.Profile() if args.profile else None
