@@ -133,6 +133,31 @@ def test_static_inputs_pad_rows_are_valid():
     assert fb.input_ids.data_ptr() == inputs.input_ids.data_ptr()
 
 
+def test_static_inputs_load_several_tokens_per_request():
+    """Two tokens per request (token rows and request rows are copied and padded apart)."""
+    verify = ForwardMode.TARGET_VERIFY
+    mode = CapturedMode(2)
+    inputs = StaticInputs(max_bs=4, max_tokens_per_req=2, device="cpu")
+    t = lambda x: torch.tensor(x, dtype=torch.int64)
+
+    def batch(rows: list[int], seq_lens: list[int], tokens: list[int], slots: list[int]) -> ForwardBatch:
+        return ForwardBatch(
+            mode=verify, batch_size=len(rows), input_ids=t(tokens),
+            positions=t([s - 2 + j for s in seq_lens for j in range(2)]), out_cache_loc=t(slots),
+            req_pool_indices=t(rows), seq_lens=t(seq_lens), extend_seq_lens=t([2] * len(rows)),
+            seq_lens_cpu=list(seq_lens), extend_seq_lens_cpu=[2] * len(rows),
+        )
+
+    inputs.load(batch([5, 6, 7], [9, 9, 9], [11] * 6, list(range(40, 46))), GraphKey(verify, 4, 2), mode)
+    fb = inputs.load(batch([3], [10], [17, 23], [33, 34]), GraphKey(verify, 2, 2), mode)
+    assert fb.input_ids.tolist() == [17, 23, 0, 0]
+    assert fb.positions.tolist() == [8, 9, 0, 0]
+    assert fb.out_cache_loc.tolist() == [33, 34, PAD_KV_SLOT, PAD_KV_SLOT]
+    assert fb.req_pool_indices.tolist() == [3, 0]
+    assert fb.seq_lens.tolist() == [10, 2] and fb.extend_seq_lens.tolist() == [2, 2]
+    assert fb.seq_lens_cpu == [10, 2] and fb.extend_seq_lens_cpu == [2, 2]
+
+
 def _lengths_agree(fb: ForwardBatch) -> bool:
     """The device lengths a graph reads are the host lengths the batch was shaped with."""
     return (

@@ -150,6 +150,35 @@ def test_abort_while_a_step_is_in_flight(tiny_llama_dir):
     _assert_all_kv_free(overlapped)
 
 
+def test_decode_feeds_the_tokens_in_flight_from_the_device():
+    """Tokens in flight come from the step's sampled ids: as a view when every row is the step's
+    same row, else gathered row by row (other order, fewer rows, some tokens on the host)."""
+    import torch
+
+    from sglang.srt.managers.schedule_batch import FutureTokens, Req, ScheduleBatch
+
+    def reqs(in_flight: list[bool]) -> list[Req]:
+        out = []
+        for i, flying in enumerate(in_flight):
+            req = Req(f"r{i}", [1, 2], SamplingParams(max_new_tokens=8), output_ids=[50 + i])
+            req.req_pool_idx, req.kv_len, req.in_flight = i, 3 if flying else 2, int(flying)
+            out.append(req)
+        return out
+
+    def input_ids(batch: ScheduleBatch) -> torch.Tensor:
+        batch.out_cache_loc = torch.arange(1, len(batch.reqs) + 1)
+        return batch.to_forward_batch("cpu").input_ids
+
+    sampled = torch.tensor([7, 8, 9])
+    same_rows = input_ids(ScheduleBatch.for_decode(reqs([True, True]), FutureTokens(sampled, {"r0": 0, "r1": 1})))
+    assert same_rows.tolist() == [7, 8] and same_rows.data_ptr() == sampled.data_ptr()
+    swapped = input_ids(ScheduleBatch.for_decode(reqs([True, True]), FutureTokens(sampled, {"r0": 2, "r1": 0})))
+    assert swapped.tolist() == [9, 7] and swapped.data_ptr() != sampled.data_ptr()
+    mixed = input_ids(ScheduleBatch.for_decode(reqs([False, True]), FutureTokens(sampled, {"r1": 1})))
+    assert mixed.tolist() == [50, 8]
+    assert sampled.tolist() == [7, 8, 9]
+
+
 # ---------------------------------------------------------------------- speculative cycles
 def test_next_cycle_is_queued_before_the_tokens_of_this_one_are_read(perfect_pair, monkeypatch):
     from sglang.srt.speculative.eagle_worker import LaunchedCycle

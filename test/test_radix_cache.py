@@ -93,3 +93,39 @@ def test_write_spans_fills_each_span_through_one_copy():
     out = pool.write_spans([2, 0, 3], [1, 5, 0], [2, 0, 3], torch.tensor([7, 8, 9, 10, 11]))
     assert out.tolist() == [7, 8, 9, 10, 11]
     assert pool.req_to_token.tolist() == [[0] * 6, [0] * 6, [0, 7, 8, 0, 0, 0], [9, 10, 11, 0, 0, 0]]
+
+
+def _decoding_reqs(pool: ReqToTokenPool, prompts: list[list[int]]) -> list:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        req = Req(f"r{i}", prompt, SamplingParams(max_new_tokens=8))
+        req.req_pool_idx, req.kv_len, req.output_ids = pool.alloc(), len(prompt), [40 + i]
+        reqs.append(req)
+    return reqs
+
+
+def test_decode_slots_reach_the_table_with_the_batch_upload():
+    """The new slots' table entries are written by the batch's own upload, not before."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.mem_cache.req_kv import ReqKVManager
+    from sglang.test.sync_counter import SyncCounter
+
+    pool, alloc = ReqToTokenPool(4, 8, "cpu"), TokenToKVPoolAllocator(16)
+    kv = ReqKVManager(pool, alloc, None)
+    reqs = _decoding_reqs(pool, [[1, 2, 3], [4]])
+    batch = ScheduleBatch.for_decode(reqs)
+    batch.kv_write = kv.assign_next_on_upload(batch.reqs)
+    assert not pool.req_to_token.any()
+    with SyncCounter() as c:
+        fb = batch.to_forward_batch("cpu")
+    assert (c.reads, c.uploads, c.transfers) == (0, 0, 1)
+    slots = fb.out_cache_loc.tolist()
+    assert len(set(slots)) == 2 and 0 not in slots
+    rows = [r.req_pool_idx for r in reqs]
+    assert pool.req_to_token[rows[0]].tolist() == [0, 0, 0, slots[0], 0, 0, 0, 0]
+    assert pool.req_to_token[rows[1]].tolist() == [0, slots[1], 0, 0, 0, 0, 0, 0]
+    assert fb.input_ids.tolist() == [40, 41] and fb.positions.tolist() == [3, 1] and fb.seq_lens.tolist() == [4, 2]
+    assert batch.kv_write is None and batch.out_cache_loc is fb.out_cache_loc

@@ -63,3 +63,25 @@ def test_logprobs():
     ref = torch.log_softmax(logits, -1)
     assert torch.allclose(out.logprobs, ref[:, 2])
     assert out.top_logprobs[1].tolist() == [[2, 1]]
+
+
+def test_the_same_requests_reuse_their_sampling_parameters(tiny_llama_dir):
+    """Decode step after step samples the same requests: their parameters are built once
+    (unless penalties, which read the tokens so far); another batch builds its own."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.server_args import ServerArgs
+    from sglang.test.inprocess_scheduler import start_scheduler
+
+    args = ServerArgs(model_path=tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=256)
+    worker = start_scheduler(args).worker
+    reqs = [Req("a", [1], SamplingParams(temperature=0.5, top_p=0.9)), Req("b", [2], SamplingParams(temperature=0))]
+    first = worker.sampling_of(reqs, 64)
+    assert first[0].temperatures.view(-1).tolist() == [0.5, 1.0] and first[1:] == (False, 0)
+    assert worker.sampling_of(list(reqs), 64) is first
+    assert worker.sampling_of(reqs[:1], 64) is not first
+    assert worker.sampling_of(reqs, 128) is not worker.sampling_of(reqs, 64)
+    logprobs = [Req("c", [3], SamplingParams(), return_logprob=True, top_logprobs_num=2)]
+    assert worker.sampling_of(logprobs, 64)[1:] == (True, 2)
+    penalized = [Req("d", [4], SamplingParams(frequency_penalty=0.5), output_ids=[3])]
+    again = worker.sampling_of(penalized, 64)
+    assert worker.sampling_of(penalized, 64) is not again and again[0].output_counts[0, 3] == 1

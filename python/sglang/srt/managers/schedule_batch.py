@@ -8,9 +8,13 @@ from typing import Any, Optional
 
 import torch
 
+from sglang.srt.mem_cache.memory_pool import TableWrite
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.utils.transfer import upload
+
+
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass
@@ -66,14 +70,14 @@ class Req:
 
     def check_finished(self, eos_ids: set[int], context_len: int, tail_text: Optional[str]) -> None:
         """Set finished_reason after output_ids grew; tail_text is the decoded end of the output."""
-        if self.finished:
+        if self.finished_reason is not None:
             return
         params = self.sampling_params
         n_out = len(self.output_ids)
         if n_out >= params.max_new_tokens:
             self.finished_reason = {"type": "length", "length": params.max_new_tokens}
             return
-        if self.seq_len >= context_len:
+        if len(self.origin_input_ids) + n_out >= context_len:  # seq_len
             self.finished_reason = {"type": "length", "length": n_out}
             return
         if n_out <= params.min_new_tokens:
@@ -106,7 +110,8 @@ class ScheduleBatch:
     reqs: list[Req]
     input_ids: list[int]
     positions: list[int]
-    out_cache_loc: Optional[torch.Tensor]  # None until the worker assigns slots (decode)
+    # The new tokens' KV slots on the device (decode: set by to_forward_batch from kv_write).
+    out_cache_loc: Optional[torch.Tensor]
     seq_lens: list[int]
     extend_lens: list[int]
     prefix_lens: list[int] = field(default_factory=list)
@@ -115,10 +120,13 @@ class ScheduleBatch:
     # DP attention: DECODE when no DP rank extends this iteration (decode graphs may replay).
     global_forward_mode: Optional[ForwardMode] = None
     # Decode under overlap scheduling: input_ids[future_dst[j]] = future.ids[future_src[j]], filled
-    # on the device (the host list holds placeholders there).
+    # on the device (the host list holds placeholders there); when both are every row in order,
+    # the device input ids are a view of future.ids.
     future: Optional[FutureTokens] = None
     future_dst: list[int] = field(default_factory=list)
     future_src: list[int] = field(default_factory=list)
+    # Decode: the new tokens' slots and table entries, still on the host (uploaded with the batch).
+    kv_write: Optional[TableWrite] = None
 
     @classmethod
     def idle(cls) -> "ScheduleBatch":
@@ -143,8 +151,8 @@ class ScheduleBatch:
         """Each req feeds its newest token, whose KV is not in the pool yet; a token still in
         flight is taken from `future` on the device."""
         input_ids = [0 if r.in_flight else r.output_ids[-1] for r in reqs]
-        positions = [r.full_len - 1 for r in reqs]
         seq_lens = [r.full_len for r in reqs]
+        positions = [n - 1 for n in seq_lens]
         batch = cls(ForwardMode.DECODE, reqs, input_ids, positions, None, seq_lens, [1] * len(reqs), positions)
         # A speculative worker reads its inputs from its own request states (future None).
         batch.future_dst = [i for i, r in enumerate(reqs) if r.in_flight]
@@ -154,9 +162,11 @@ class ScheduleBatch:
         return batch
 
     def to_forward_batch(self, device: str) -> ForwardBatch:
-        """The batch's host lists reach the device through one upload."""
+        """The batch's host lists, and its new slots with their table entries (kv_write), reach
+        the device through one upload."""
         assert self.future is not None or not self.future_dst, "a token in flight, but no step in flight holds it"
-        input_ids, positions, req_pool_indices, seq_lens, extend_seq_lens, dst, src = upload(
+        pending = self.kv_write
+        input_ids, positions, req_pool_indices, seq_lens, extend_seq_lens, dst, src, index, slots = upload(
             [
                 self.input_ids,
                 self.positions,
@@ -165,17 +175,28 @@ class ScheduleBatch:
                 self.extend_lens,
                 self.future_dst,
                 self.future_src,
+                [] if pending is None else pending.index,
             ],
             device,
+            tensors=[_NO_SLOTS if pending is None else pending.slots],
         )
+        if pending is not None:
+            pending.pool.write_at(index, slots)
+            self.out_cache_loc, self.kv_write = slots, None
+        else:  # assigned before (extend: already on the device) or none (an idle batch)
+            self.out_cache_loc = self.out_cache_loc.to(device)
         if self.future is not None:
-            input_ids.index_copy_(0, dst, self.future.ids.index_select(0, src))
+            rows = list(range(len(self.reqs)))
+            if self.future_dst == rows and self.future_src == rows:  # each row's token: the step's same row
+                input_ids = self.future.ids[: len(rows)]
+            else:
+                input_ids.index_copy_(0, dst, self.future.ids.index_select(0, src))
         return ForwardBatch(
             mode=self.mode,
             batch_size=len(self.reqs),
             input_ids=input_ids,
             positions=positions,
-            out_cache_loc=self.out_cache_loc.to(device),  # already there, except for an idle batch
+            out_cache_loc=self.out_cache_loc,
             req_pool_indices=req_pool_indices,
             seq_lens=seq_lens,
             extend_seq_lens=extend_seq_lens,

@@ -338,7 +338,9 @@ class Scheduler:
         """Whether the request may be done once its steps in flight arrive, whatever their
         tokens are (a plain step brings one token, a speculative cycle up to steps + 1)."""
         most = req.in_flight * self.worker.max_tokens_per_step()
-        return len(req.output_ids) + most >= req.sampling_params.max_new_tokens or req.seq_len + most >= self.context_len
+        outputs = len(req.output_ids) + most
+        seq_len = len(req.origin_input_ids) + outputs  # without the property calls
+        return outputs >= req.sampling_params.max_new_tokens or seq_len >= self.context_len
 
     def retract(self, req: Req) -> None:
         """Out of KV for decoding: send the newest request back to the queue (it re-prefills)."""
@@ -385,12 +387,15 @@ class Scheduler:
             self.running += [r for r in batch.reqs if r.output_ids and r is not self.chunked_req and not r.finished and r not in self.running]
         elif batch.mode == ForwardMode.DECODE:
             self.log_decode(batch, result)
+        out = []
         for i in live:
-            if batch.reqs[i].finished:
-                self.finish(batch.reqs[i])
-        self.stream_output(
-            [batch.reqs[i] for i in live if batch.reqs[i].finished or (batch.reqs[i].stream and result.next_token_ids[i])]
-        )
+            req = batch.reqs[i]
+            if req.finished:
+                self.finish(req)
+                out.append(req)
+            elif req.stream and result.next_token_ids[i]:
+                out.append(req)
+        self.stream_output(out)
 
     def check_sub_forwards(self, plan: GlobalPlan) -> None:
         """--debug-collectives: the speculative sub-forwards this rank ran are exactly the planned
@@ -406,7 +411,7 @@ class Scheduler:
 
     def append_tokens(self, req: Req, result: GenerationResult, i: int) -> None:
         """Append the step's tokens one by one, stopping at the first stop condition."""
-        if req.kv_len == req.seq_len and req.sampling_params.max_new_tokens == 0:
+        if req.sampling_params.max_new_tokens == 0 and req.kv_len == req.seq_len:
             req.finished_reason = {"type": "length", "length": 0}
             return
         for j, tok in enumerate(result.next_token_ids[i]):

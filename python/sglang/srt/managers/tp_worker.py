@@ -7,6 +7,7 @@ so that speculative workers can plug in behind the same call.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -80,13 +81,27 @@ class LaunchedStep:
         """The sampled tokens, still on the device, for the next step to feed (None if none)."""
         if self.sampled is None:
             return None
-        rids = [self.sampled.reqs[i].rid for i in self.sampled.rows]
-        return FutureTokens(self.sampled.out.next_token_ids, {rid: j for j, rid in enumerate(rids)})
+        reqs = self.sampled.reqs
+        return FutureTokens(self.sampled.out.next_token_ids, {reqs[i].rid: j for j, i in enumerate(self.sampled.rows)})
 
     def resolve(self) -> GenerationResult:
         if self.sampled is not None:
             self.sampled.fill(self.result)
         return self.result
+
+
+@dataclass
+class _LastSampling:
+    """What TpModelWorker.sampling_of returned for its last batch (none kept when penalties
+    read the tokens so far)."""
+
+    vocab_size: int
+    reqs: list[Req]
+    sampling: tuple[SamplingBatchInfo, bool, int]
+
+
+def _same_objects(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 class TpModelWorker:
@@ -96,6 +111,7 @@ class TpModelWorker:
         self.sampler = Sampler(server_args.enable_nan_detection)
         self.generators: dict[str, torch.Generator] = {}
         self.kv: Optional[ReqKVManager] = None  # set by the scheduler once the cache exists
+        self.last_sampling: Optional[_LastSampling] = None
 
     # Tokens each running request may need in one decode step (the scheduler keeps them free).
     def decode_kv_need_per_req(self) -> int:
@@ -118,12 +134,16 @@ class TpModelWorker:
     def launch(self, batch: ScheduleBatch) -> LaunchedStep:
         """Queue the forward and the sampling without waiting for the device."""
         if batch.mode == ForwardMode.DECODE:
-            batch.out_cache_loc = self.kv.assign(batch.reqs, [1] * len(batch.reqs))
+            batch.kv_write = self.kv.assign_next_on_upload(batch.reqs)
         output = self.runner.forward(batch.to_forward_batch(self.device))
         if batch.mode == ForwardMode.IDLE:
             return LaunchedStep(GenerationResult([], []))
-        # Requests whose whole sequence now has KV get a token; a chunked prefill does not.
-        ready = [i for i, r in enumerate(batch.reqs) if r.kv_len + batch.extend_lens[i] == r.full_len]
+        # Requests whose whole sequence now has KV get a token (in decode: all); a chunked
+        # prefill does not.
+        if batch.mode == ForwardMode.DECODE:
+            ready = list(range(len(batch.reqs)))
+        else:
+            ready = [i for i, r in enumerate(batch.reqs) if r.kv_len + batch.extend_lens[i] == r.full_len]
         step = LaunchedStep(GenerationResult([[] for _ in batch.reqs], list(batch.extend_lens)))
         if ready:
             step.sampled = self.launch_sampling(batch.reqs, ready, output)
@@ -149,13 +169,25 @@ class TpModelWorker:
         return SampledRows(reqs, rows, out, HostCopy(out.next_token_ids, *extra), want_logprobs)
 
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> SampleOutput:
+        info, want_logprob, top_n = self.sampling_of(reqs, logits.shape[-1])
+        return self.sampler(logits, info, want_logprob, top_n)
+
+    def sampling_of(self, reqs: list[Req], vocab_size: int) -> tuple[SamplingBatchInfo, bool, int]:
+        """The batch's sampling parameters, whether it wants logprobs, and its top-logprobs
+        count. The same requests as the previous batch (decode, step after step) reuse them,
+        unless penalties read the tokens so far."""
+        cached = self.last_sampling
+        if cached is not None and cached.vocab_size == vocab_size and _same_objects(cached.reqs, reqs):
+            return cached.sampling
         info = SamplingBatchInfo.from_requests(
             [r.sampling_params for r in reqs],
             [(r.origin_input_ids, r.output_ids) for r in reqs],
             [self.generators.get(r.rid) for r in reqs],
-            logits.shape[-1],
+            vocab_size,
             self.device,
         )
         want_logprob = any(r.return_logprob for r in reqs)
         top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
-        return self.sampler(logits, info, want_logprob, top_n)
+        sampling = (info, want_logprob, top_n)
+        self.last_sampling = None if info.output_counts is not None else _LastSampling(vocab_size, list(reqs), sampling)
+        return sampling

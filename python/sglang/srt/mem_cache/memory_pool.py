@@ -7,11 +7,12 @@ the allocator never hands it out.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from sglang.srt.utils.transfer import to_device
+from sglang.srt.utils.transfer import upload
 
 
 class ReqToTokenPool:
@@ -35,17 +36,35 @@ class ReqToTokenPool:
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.req_to_token[row, start : start + len(slots)] = slots
 
+    def span_index(self, rows: list[int], starts: list[int], counts: list[int]) -> torch.Tensor:
+        """Flat table index (host) of positions starts[i] : starts[i] + counts[i] of rows[i],
+        span after span."""
+        n = np.asarray(counts, dtype=np.int64)
+        first = np.asarray(rows, dtype=np.int64) * self.max_context_len + np.asarray(starts, dtype=np.int64)
+        # Each position: its span's first index + its offset in the span.
+        return torch.from_numpy(np.arange(n.sum()) + np.repeat(first - (np.cumsum(n) - n), n))
+
+    def write_at(self, index: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token.view(-1)[index] = slots (both on the table's device; index unique)."""
+        self.req_to_token.view(-1).index_copy_(0, index, slots)
+
     def write_spans(self, rows: list[int], starts: list[int], counts: list[int], slots: torch.Tensor) -> torch.Tensor:
         """req_to_token[rows[i], starts[i] : starts[i] + counts[i]] = the next counts[i] of
         `slots` (host), for every i, through one upload; returns the slots on the device."""
-        n = np.asarray(counts, dtype=np.int64)
-        first = np.asarray(rows, dtype=np.int64) * self.max_context_len + np.asarray(starts, dtype=np.int64)
-        # Flat table index of each slot: its span's first index + its offset in the span.
-        index = torch.from_numpy(np.arange(len(slots)) + np.repeat(first - (np.cumsum(n) - n), n))
-        packed = to_device(torch.cat([slots, index]), self.req_to_token.device)
-        dev_slots, dev_index = packed.split_with_sizes([len(slots)] * 2)
-        self.req_to_token.view(-1)[dev_index] = dev_slots
+        index = self.span_index(rows, starts, counts)
+        dev_index, dev_slots = upload([], self.req_to_token.device, tensors=[index, slots])
+        self.write_at(dev_index, dev_slots)
         return dev_slots
+
+
+@dataclass
+class TableWrite:
+    """New entries of the request->token table, kept on the host until the upload of the batch
+    that uses them: then `pool.write_at(index, slots)` with the device copies."""
+
+    pool: ReqToTokenPool
+    index: list[int]  # flat table positions
+    slots: torch.Tensor  # KV slots (host)
 
 
 class TokenToKVPoolAllocator:
@@ -67,13 +86,13 @@ class TokenToKVPoolAllocator:
         self.num_released = 0
 
     def available_size(self) -> int:
-        return len(self.free_slots) + self.num_released
+        return self.free_slots.shape[0] + self.num_released  # shape[0]: cheaper than len(), Python code for a tensor
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """n free slots, on the host (None if there are fewer)."""
-        if n > len(self.free_slots):
+        if n > self.free_slots.shape[0]:
             self._merge_released()
-            if n > len(self.free_slots):
+            if n > self.free_slots.shape[0]:
                 return None
         out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
         return out

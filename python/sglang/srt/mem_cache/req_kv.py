@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from sglang.srt.managers.schedule_batch import Req
-from sglang.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool, TableWrite, TokenToKVPoolAllocator
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
 
@@ -44,6 +44,13 @@ class ReqKVManager:
         """Slots for each request's next counts[i] positions (from kv_len), written into its
         row; returned on the table's device."""
         return self.write_after_kv(reqs, counts, self.alloc(sum(counts)))
+
+    def assign_next_on_upload(self, reqs: list[Req]) -> TableWrite:
+        """A slot for each request's next position (its kv_len), its table entry left to the
+        upload of the batch that uses it."""
+        width = self.req_to_token_pool.max_context_len
+        index = [r.req_pool_idx * width + r.kv_len for r in reqs]
+        return TableWrite(self.req_to_token_pool, index, self.alloc(len(reqs)))
 
     def write_after_kv(self, reqs: list[Req], counts: list[int], slots: torch.Tensor) -> torch.Tensor:
         """Host slots, the next counts[i] of them into request i's row from its kv_len (one

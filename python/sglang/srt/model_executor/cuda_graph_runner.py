@@ -43,6 +43,10 @@ DEFAULT_CUDA_GRAPH_MAX_BS = 256
 PAD_TOKEN_ID = 0
 PAD_KV_SLOT = 0
 PAD_REQ_ROW = 0
+# Rows of StaticInputs.int_rows: input ids, positions, KV slots (per token), then table rows,
+# seq_lens, extend_lens (per request).
+_TOKEN_ROWS = 3
+_INT_ROWS = 6
 _MIB = 1 << 20
 
 
@@ -169,14 +173,16 @@ class StaticInputs:
         max_tree_cols: widest tree mask; hidden: (size, dtype) of draft input hidden states."""
         self.dp_size = dp_size
         max_tokens = max_bs * max_tokens_per_req
-        i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.full((max_tokens,), PAD_TOKEN_ID, **i64)
-        self.positions = torch.zeros(max_tokens, **i64)
-        self.out_cache_loc = torch.full((max_tokens,), PAD_KV_SLOT, **i64)
-        self.req_pool_indices = torch.full((max_bs,), PAD_REQ_ROW, **i64)
-        self.seq_lens = torch.full((max_bs,), max_tokens_per_req, **i64)
-        self.extend_seq_lens = torch.full((max_bs,), max_tokens_per_req, **i64)
-        self.logits_indices = torch.zeros(max_bs, **i64)
+        self.device = device
+        # One int64 buffer, so that a load copies all its rows at once: per token (input id,
+        # position, KV slot), then per request in the first max_bs columns (table row,
+        # seq_len, extend_len).
+        self.int_rows = torch.empty((_INT_ROWS, max_tokens), dtype=torch.int64, device=device)
+        self.pad_columns: dict[tuple[int, int], torch.Tensor] = {}  # see _pad_column
+        self.int_rows.copy_(self._pad_column(max_tokens_per_req, max_tokens_per_req).expand_as(self.int_rows))
+        self.input_ids, self.positions, self.out_cache_loc = self.int_rows[:_TOKEN_ROWS]
+        self.req_pool_indices, self.seq_lens, self.extend_seq_lens = self.int_rows[_TOKEN_ROWS:, :max_bs]
+        self.logits_indices = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.custom_mask = torch.ones(max_tokens * max_tree_cols, dtype=torch.bool, device=device)
         self.hidden_states = None if hidden is None else torch.zeros((max_tokens, hidden[0]), dtype=hidden[1], device=device)
         self.draft_scores = torch.zeros(max_tokens, dtype=torch.float32, device=device)
@@ -184,16 +190,26 @@ class StaticInputs:
     def load(self, fb: ForwardBatch, key: GraphKey, mode: CapturedMode) -> ForwardBatch:
         """Copy fb into the buffers, pad rows fb.batch_size..key.batch_size, and return the
         padded batch as a ForwardBatch over the buffers (host lengths padded too)."""
-        bs, n, tpr = fb.batch_size, fb.num_tokens, key.tokens_per_req
-        pad_rows = key.batch_size - bs
+        self.fill(fb, key, mode)
+        pad_rows = key.batch_size - fb.batch_size
+        return replace(
+            self.batch(key, mode),
+            seq_lens_cpu=list(fb.seq_lens_cpu) + [key.pad_seq_len] * pad_rows,
+            extend_seq_lens_cpu=list(fb.extend_seq_lens_cpu) + [key.tokens_per_req] * pad_rows,
+        )
+
+    def fill(self, fb: ForwardBatch, key: GraphKey, mode: CapturedMode) -> None:
+        """load without building the padded batch (what a replay needs)."""
+        bs, n = fb.batch_size, fb.num_tokens
         # An IDLE batch (DP attention) has no rows to copy: everything is padding.
         if bs:
-            self.input_ids[:n].copy_(fb.input_ids)
-            self.positions[:n].copy_(fb.positions)
-            self.out_cache_loc[:n].copy_(fb.out_cache_loc)
-            self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
-            self.seq_lens[:bs].copy_(fb.seq_lens)
-            self.extend_seq_lens[:bs].copy_(fb.extend_seq_lens)
+            tokens = (fb.input_ids, fb.positions, fb.out_cache_loc)
+            requests = (fb.req_pool_indices, fb.seq_lens, fb.extend_seq_lens)
+            if n == bs:  # one token per request: every row in one copy
+                self.int_rows[:, :bs].copy_(torch.stack(tokens + requests))
+            else:
+                self.int_rows[:_TOKEN_ROWS, :n].copy_(torch.stack(tokens))
+                self.int_rows[_TOKEN_ROWS:, :bs].copy_(torch.stack(requests))
             if key.tree_cols:
                 self.custom_mask[: n * key.tree_cols].copy_(fb.custom_mask.flatten())
             if mode.draft_input:
@@ -203,11 +219,6 @@ class StaticInputs:
             if mode.logits_at_rows:
                 self.logits_indices[:bs].copy_(fb.logits_indices)
         self._pad(key, mode, bs, n)
-        return replace(
-            self.batch(key, mode),
-            seq_lens_cpu=list(fb.seq_lens_cpu) + [key.pad_seq_len] * pad_rows,
-            extend_seq_lens_cpu=list(fb.extend_seq_lens_cpu) + [tpr] * pad_rows,
-        )
 
     def padding_batch(self, key: GraphKey, mode: CapturedMode) -> ForwardBatch:
         """A batch of key's shape holding padding rows only (what a graph is captured with).
@@ -218,12 +229,14 @@ class StaticInputs:
     def _pad(self, key: GraphKey, mode: CapturedMode, rows: int, tokens: int) -> None:
         """Fill requests rows..key.batch_size (tokens tokens..key.num_tokens) with padding."""
         bs, n, tpr = key.batch_size, key.num_tokens, key.tokens_per_req
-        self.input_ids[tokens:n].fill_(PAD_TOKEN_ID)
-        self.positions[tokens:n].zero_()
-        self.out_cache_loc[tokens:n].fill_(PAD_KV_SLOT)
-        self.req_pool_indices[rows:bs].fill_(PAD_REQ_ROW)
-        self.seq_lens[rows:bs].fill_(key.pad_seq_len)
-        self.extend_seq_lens[rows:bs].fill_(tpr)
+        if rows == bs:  # tokens == n too: nothing to pad
+            return
+        column = self._pad_column(key.pad_seq_len, tpr)
+        if n == bs:  # one token per request: token and request rows pad the same columns
+            self.int_rows[:, rows:bs].copy_(column.expand(-1, bs - rows))
+        else:
+            self.int_rows[:_TOKEN_ROWS, tokens:n].copy_(column[:_TOKEN_ROWS].expand(-1, n - tokens))
+            self.int_rows[_TOKEN_ROWS:, rows:bs].copy_(column[_TOKEN_ROWS:].expand(-1, bs - rows))
         if key.tree_cols:  # padded rows see their whole (padding) tree
             self.custom_mask[tokens * key.tree_cols : n * key.tree_cols].fill_(True)
         if mode.draft_input:
@@ -238,6 +251,17 @@ class StaticInputs:
         if not mode.draft_input:
             return None
         return SpecInput(self.hidden_states[:n], self.draft_scores[:n] if mode.draft_scores else None)
+
+    def _pad_column(self, seq_len: int, tokens_per_req: int) -> torch.Tensor:
+        """A padded row's int_rows column [6, 1]: token 0 at position 0 writing the dummy slot,
+        request row 0, the given seq_len and extend_len = tokens per request. Made on first use,
+        which is at capture, so that a replay uploads nothing."""
+        column = self.pad_columns.get((seq_len, tokens_per_req))
+        if column is None:
+            values = [PAD_TOKEN_ID, 0, PAD_KV_SLOT, PAD_REQ_ROW, seq_len, tokens_per_req]
+            column = torch.tensor(values, dtype=torch.int64, device=self.device).view(_INT_ROWS, 1)
+            self.pad_columns[(seq_len, tokens_per_req)] = column
+        return column
 
     def batch(self, key: GraphKey, mode: CapturedMode) -> ForwardBatch:
         """The buffers' first rows as the batch a graph of `key` was captured with."""
@@ -442,7 +466,7 @@ class CudaGraphRunner:
         """Run fb through the graph of key (from key_for); outputs are fresh tensors: the
         program's outputs, or the forward's logits (and hidden states)."""
         mode = self.modes[key.mode]
-        self.inputs.load(fb, key, mode)
+        self.inputs.fill(fb, key, mode)
         self.graphs[key].replay()
         outs = tuple(buffer[: fb.batch_size * per_req].clone() for buffer, per_req in self.outputs[key.mode])
         if mode.program is not None:

@@ -9,6 +9,7 @@ several tensors share one wait.
 
 from __future__ import annotations
 
+import array
 import itertools
 from typing import Sequence
 
@@ -29,13 +30,30 @@ def to_device(host: torch.Tensor, device: str | torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+_ARRAY_TYPECODES = {torch.int64: "q", torch.float32: "f"}
+
+
+def _host_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of a flat list (through array.array: 3-4x faster than torch.tensor)."""
+    code = _ARRAY_TYPECODES.get(dtype)
+    if code is None or not values:
+        return torch.tensor(values, dtype=dtype)
+    return torch.frombuffer(array.array(code, values), dtype=dtype)
+
+
 def upload(
-    values: Sequence[Sequence[int | float]], device: str | torch.device, dtype: torch.dtype = torch.int64
+    values: Sequence[Sequence[int | float]],
+    device: str | torch.device,
+    dtype: torch.dtype = torch.int64,
+    tensors: Sequence[torch.Tensor] = (),
 ) -> list[torch.Tensor]:
-    """One device tensor per host list, all through a single copy (views of one buffer)."""
+    """One device tensor per host list, then per 1-D host tensor of `tensors` (of `dtype`),
+    all through a single copy (views of one buffer)."""
     flat = list(itertools.chain.from_iterable(values))
-    host = torch.tensor(flat, dtype=dtype, pin_memory=_is_cuda(device))
-    return list(to_device(host, device).split_with_sizes([len(v) for v in values]))
+    sizes = [len(v) for v in values] + [t.shape[0] for t in tensors]
+    host = torch.empty(sum(sizes), dtype=dtype, pin_memory=_is_cuda(device))
+    torch.cat([_host_tensor(flat, dtype), *tensors], out=host)
+    return list(to_device(host, device).split_with_sizes(sizes))
 
 
 class HostCopy:
