@@ -371,13 +371,14 @@ def test_incremental_detokenizer_matches_full_decode():
     text = "añb 世界 🙂 end"
     ids = tok.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tok)
-    seen = []
-    for n in range(1, len(ids) + 1):
-        seen.append(detok.step("r", ids[:n], None))
-    assert all("\ufffd" not in s for s in seen)
-    assert all(seen[i + 1].startswith(seen[i]) for i in range(len(seen) - 1))
-    assert seen[-1] == text
-    assert detok.step("r", ids + [tok.eos_token_id], {"type": "stop", "matched": tok.eos_token_id}) == text
+    # One new id per message, then two at once: the pieces are never partial characters and
+    # add up to the whole text.
+    pieces = [detok.step("r", ids[n : n + 1], n, None) for n in range(len(ids) - 2)]
+    pieces.append(detok.step("r", ids[-2:], len(ids) - 2, None))
+    assert all("\ufffd" not in s for s in pieces)
+    assert "".join(pieces) == text
+    # The finish message brings the last (stop) id and the whole text.
+    assert detok.step("r", [tok.eos_token_id], len(ids), {"type": "stop", "matched": tok.eos_token_id}) == text
     assert "r" not in detok.states  # finished requests are forgotten
 
 
@@ -385,14 +386,14 @@ def test_detokenizer_stop_handling():
     tok = make_byte_tokenizer()
     detok = IncrementalDetokenizer(tok)
     ids = tok.encode("abcSTOPx", add_special_tokens=False)
-    assert detok.step("a", ids, {"type": "stop", "matched": "STOP"}) == "abc"
-    assert detok.step("b", ids, {"type": "stop", "matched": "STOP"}, no_stop_trim=True) == "abcSTOPx"
+    assert detok.step("a", ids, 0, {"type": "stop", "matched": "STOP"}) == "abc"
+    assert detok.step("b", ids, 0, {"type": "stop", "matched": "STOP"}, no_stop_trim=True) == "abcSTOPx"
     # A matched stop token id that is not special is dropped unless no_stop_trim.
-    assert detok.step("c", ids, {"type": "stop", "matched": ids[-1]}) == "abcSTOP"
-    assert detok.step("d", ids, {"type": "stop", "matched": ids[-1]}, no_stop_trim=True) == "abcSTOPx"
+    assert detok.step("c", ids, 0, {"type": "stop", "matched": ids[-1]}) == "abcSTOP"
+    assert detok.step("d", ids, 0, {"type": "stop", "matched": ids[-1]}, no_stop_trim=True) == "abcSTOPx"
     special = [ids[0], tok.convert_tokens_to_ids("<|im_end|>"), ids[1]]
-    assert detok.step("e", special, {"type": "length"}, skip_special_tokens=False) == "a<|im_end|>b"
-    assert detok.step("f", special, {"type": "length"}) == "ab"
+    assert detok.step("e", special, 0, {"type": "length"}, skip_special_tokens=False) == "a<|im_end|>b"
+    assert detok.step("f", special, 0, {"type": "length"}) == "ab"
     assert trim_matched_stop("x\n\ny", {"type": "stop", "matched": "\n\n"}, False) == "x"
     assert trim_matched_stop("x\n\ny", {"type": "length"}, False) == "x\n\ny"
 

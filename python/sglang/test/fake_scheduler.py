@@ -46,6 +46,7 @@ class FakeScheduler:
     hold: bool = False
     received: list[TokenizedGenerateReqInput] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    _sent: dict[str, int] = field(default_factory=dict)  # output ids already sent, per request
 
     def __post_init__(self) -> None:
         self._ctx = shared_context(1)
@@ -115,12 +116,17 @@ class FakeScheduler:
                 time.sleep(STREAM_STEP_S)  # lets the consumer see separate chunks
 
     def _emit(self, req: TokenizedGenerateReqInput, out: list[int], finished: Optional[dict]) -> None:
-        logprobs = [(-0.5, t) for t in out] if req.return_logprob else None
-        tops = [[(-0.5, t), (-1.5, 0)][: req.top_logprobs_num] for t in out] if req.return_logprob else None
+        """Send the outputs new since the request's previous message (as the scheduler does)."""
+        start = self._sent.get(req.rid, 0)
+        self._sent[req.rid] = len(out)
+        new = out[start:]
+        logprobs = [(-0.5, t) for t in new] if req.return_logprob else None
+        tops = [[(-0.5, t), (-1.5, 0)][: req.top_logprobs_num] for t in new] if req.return_logprob else None
         p = req.sampling_params
         batch = BatchTokenIDOut(
             rids=[req.rid],
-            output_ids=[list(out)],
+            output_ids=[new],
+            output_offsets=[start],
             finished_reasons=[finished],
             prompt_tokens=[len(req.input_ids)],
             completion_tokens=[len(out)],

@@ -9,15 +9,21 @@ from sglang.srt.server_args import PortArgs, ServerArgs
 
 
 class DetokenizerStub:
-    """Stands in for the detokenizer socket: keeps each request's final tokens."""
+    """Stands in for the detokenizer socket: keeps each request's final tokens (put together
+    from the messages' new ids, which must arrive in order)."""
 
     def __init__(self) -> None:
         self.finished: dict[str, list[int]] = {}
+        self.partial: dict[str, list[int]] = {}
 
     def send_pyobj(self, msg) -> None:
-        for rid, ids, reason in zip(msg.rids, msg.output_ids, msg.finished_reasons):
+        for rid, ids, offset, reason in zip(msg.rids, msg.output_ids, msg.output_offsets, msg.finished_reasons):
+            so_far = self.partial.pop(rid, [])
+            assert offset == len(so_far), (rid, offset, len(so_far))
             if reason is not None:
-                self.finished[rid] = ids
+                self.finished[rid] = so_far + ids
+            else:
+                self.partial[rid] = so_far + ids
 
 
 def start_scheduler(server_args: ServerArgs, tp_rank: int = 0, port_args: PortArgs | None = None) -> Scheduler:

@@ -1,8 +1,8 @@
-"""The detokenizer process: BatchTokenIDOut (token ids) -> BatchStrOut (text so far).
+"""The detokenizer process: BatchTokenIDOut (new token ids) -> BatchStrOut (new text).
 
-Decoding is incremental: for each request we keep the text already confirmed and two
-offsets into its output ids; every step decodes only a short window, so the cost per
-token stays constant, and a window whose text ends in an incomplete UTF-8 character
+Decoding is incremental: for each request we keep its output ids so far, the text already
+confirmed and two offsets into the ids; every step decodes only a short window, so the cost
+per token stays constant, and a window whose text ends in an incomplete UTF-8 character
 ('\ufffd') is held back until the next token completes it.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import zmq
@@ -28,7 +28,8 @@ _REPLACEMENT_CHAR = "\ufffd"
 
 @dataclass
 class DecodeState:
-    text: str = ""  # confirmed text of output_ids[:read_offset]
+    ids: list[int] = field(default_factory=list)  # the request's output ids so far
+    text: str = ""  # confirmed text of ids[:read_offset]
     surr_offset: int = 0  # start of the context window decoded together with new ids
     read_offset: int = 0  # ids before this offset are in `text`
 
@@ -46,7 +47,7 @@ def trim_matched_stop(text: str, finished_reason: Optional[dict[str, Any]], no_s
 
 
 class IncrementalDetokenizer:
-    """Per-request incremental decoding over the full output ids sent at each step."""
+    """Per-request incremental decoding of the new ids each message brings."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -62,16 +63,21 @@ class IncrementalDetokenizer:
     def step(
         self,
         rid: str,
-        output_ids: list[int],
+        new_ids: list[int],
+        offset: int,
         finished_reason: Optional[dict[str, Any]],
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
         no_stop_trim: bool = False,
     ) -> str:
-        """The text of `output_ids` so far (the whole of it once finished)."""
+        """new_ids: the request's output ids from position `offset` on. Returns the text they
+        complete (the whole text once finished)."""
         finished = finished_reason is not None
         state = self.states.pop(rid, None) or DecodeState()
-        ids = output_ids
+        if offset != len(state.ids):  # messages of one request arrive in order, from one scheduler
+            logger.error("Request %s: output ids from %d, but %d seen", rid, offset, len(state.ids))
+        state.ids[offset:] = new_ids
+        ids = state.ids
         if finished and not no_stop_trim and isinstance((finished_reason or {}).get("matched"), int):
             ids = ids[:-1]  # a matched stop token is not part of the text
         kw = dict(skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens)
@@ -80,18 +86,21 @@ class IncrementalDetokenizer:
         new_text = window[len(prefix) :]
         if finished:
             return trim_matched_stop(state.text + new_text, finished_reason, no_stop_trim)
+        confirmed = ""
         if new_text and not new_text.endswith(_REPLACEMENT_CHAR):
-            state = DecodeState(state.text + new_text, state.read_offset, len(ids))
+            confirmed = new_text
+            state.text, state.surr_offset, state.read_offset = state.text + new_text, state.read_offset, len(ids)
         self.states[rid] = state
         while len(self.states) > _MAX_TRACKED_REQUESTS:
             self.states.popitem(last=False)
-        return state.text
+        return confirmed
 
     def handle(self, recv: BatchTokenIDOut) -> BatchStrOut:
         texts = [
             self.step(
                 rid,
                 recv.output_ids[i],
+                recv.output_offsets[i],
                 recv.finished_reasons[i],
                 recv.skip_special_tokens[i],
                 recv.spaces_between_special_tokens[i],
@@ -103,6 +112,7 @@ class IncrementalDetokenizer:
             rids=recv.rids,
             output_strs=texts,
             output_ids=recv.output_ids,
+            output_offsets=recv.output_offsets,
             finished_reasons=recv.finished_reasons,
             prompt_tokens=recv.prompt_tokens,
             completion_tokens=recv.completion_tokens,

@@ -71,8 +71,11 @@ class BatchTokenIDOut:
     """Scheduler -> DetokenizerManager: new tokens of every request that advanced."""
 
     rids: list[str]
-    # Token ids generated so far by each request (full list, for incremental decoding).
+    # Per request, the token ids generated since its previous message, which start at its
+    # output position output_offsets[i] (every message carries only what is new, so a long
+    # stream costs the same per token as a short one).
     output_ids: list[list[int]]
+    output_offsets: list[int]
     finished_reasons: list[Optional[dict[str, Any]]]
     prompt_tokens: list[int]
     completion_tokens: list[int]
@@ -88,11 +91,14 @@ class BatchTokenIDOut:
 
 @dataclass
 class BatchStrOut:
-    """DetokenizerManager -> TokenizerManager: full decoded text so far per request."""
+    """DetokenizerManager -> TokenizerManager, per request: the text decoded since its previous
+    message (a finished request: its whole text, the matched stop trimmed), and the new ids
+    and logprobs as in BatchTokenIDOut."""
 
     rids: list[str]
     output_strs: list[str]
     output_ids: list[list[int]]
+    output_offsets: list[int]
     finished_reasons: list[Optional[dict[str, Any]]]
     prompt_tokens: list[int]
     completion_tokens: list[int]

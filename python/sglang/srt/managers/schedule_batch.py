@@ -39,6 +39,7 @@ class Req:
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     spec_verify_ct: int = 0
+    streamed_len: int = 0  # output ids already sent to the detokenizer
     # Tokens sampled on the device whose values have not reached output_ids yet (overlap
     # scheduling: at most one). Their KV is written by the forward that feeds them.
     in_flight: int = 0

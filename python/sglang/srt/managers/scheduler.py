@@ -458,12 +458,17 @@ class Scheduler:
             self.send_to_tokenizer.send_pyobj(msg)
 
     def stream_output(self, reqs: list[Req]) -> None:
+        """Send each request's outputs new since its previous message."""
         if not reqs or self.send_to_detokenizer is None:
             return
+        starts = [r.streamed_len for r in reqs]
+        for r in reqs:
+            r.streamed_len = len(r.output_ids)
         self.send_to_detokenizer.send_pyobj(
             BatchTokenIDOut(
                 rids=[r.rid for r in reqs],
-                output_ids=[list(r.output_ids) for r in reqs],
+                output_ids=[r.output_ids[s:] for r, s in zip(reqs, starts)],
+                output_offsets=starts,
                 finished_reasons=[r.finished_reason for r in reqs],
                 prompt_tokens=[len(r.origin_input_ids) for r in reqs],
                 completion_tokens=[len(r.output_ids) for r in reqs],
@@ -471,8 +476,8 @@ class Scheduler:
                 skip_special_tokens=[r.sampling_params.skip_special_tokens for r in reqs],
                 spaces_between_special_tokens=[r.sampling_params.spaces_between_special_tokens for r in reqs],
                 no_stop_trim=[r.sampling_params.no_stop_trim for r in reqs],
-                output_token_logprobs=[list(r.output_token_logprobs) if r.return_logprob else None for r in reqs],
-                output_top_logprobs=[list(r.output_top_logprobs) if r.return_logprob else None for r in reqs],
+                output_token_logprobs=[r.output_token_logprobs[s:] if r.return_logprob else None for r, s in zip(reqs, starts)],
+                output_top_logprobs=[r.output_top_logprobs[s:] if r.return_logprob else None for r, s in zip(reqs, starts)],
                 spec_verify_ct=[r.spec_verify_ct for r in reqs],
             )
         )

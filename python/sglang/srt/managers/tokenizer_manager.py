@@ -110,15 +110,32 @@ class GenerateReqInput(BaseModel):
 
 @dataclass
 class ReqState:
+    """A request's outputs so far, accumulated from the detokenizer's per-message deltas; a
+    consumer takes a snapshot when it wakes (so a slow consumer costs no copies per message)."""
+
     stream: bool
     stops: list[str]
     return_text_in_logprobs: bool
     created: float = field(default_factory=time.monotonic)
     first_token_at: Optional[float] = None  # set by MetricsCollector.on_output
     event: asyncio.Event = field(default_factory=asyncio.Event)
-    latest: Optional[dict[str, Any]] = None
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    token_logprobs: Optional[list] = None  # (logprob, id, text) triples when asked for
+    top_logprobs: Optional[list] = None
+    meta: Optional[dict[str, Any]] = None  # of the latest message
     finished: bool = False
     error: Optional[str] = None
+
+    def snapshot(self) -> dict[str, Any]:
+        """SGLang's cumulative output dict: text (a partial stop held back while unfinished),
+        ids and meta_info (with the logprobs so far)."""
+        meta = dict(self.meta)
+        if self.token_logprobs is not None:
+            meta["output_token_logprobs"] = list(self.token_logprobs)
+            meta["output_top_logprobs"] = list(self.top_logprobs)
+        text = self.text if self.finished else hold_back_partial_stop(self.text, self.stops)
+        return {"text": text, "output_ids": list(self.output_ids), "meta_info": meta}
 
 
 class _ReplyCollector:
@@ -312,9 +329,9 @@ class TokenizerManager:
                 if state.error is not None:
                     raise RequestError(state.error, 503)
                 if state.finished:
-                    reason = state.latest["meta_info"]["finish_reason"]
+                    reason = state.meta["finish_reason"]
                     if self.server_args.log_requests:
-                        meta = state.latest["meta_info"]
+                        meta = state.meta
                         logger.info(
                             "Finished %s: finish_reason=%s, prompt_tokens=%d, completion_tokens=%d, latency=%.3f s",
                             req.rid, reason, meta["prompt_tokens"], meta["completion_tokens"], meta["e2e_latency"],
@@ -322,10 +339,10 @@ class TokenizerManager:
                     if reason.get("type") == "abort" and reason.get("message"):
                         # Refused by the scheduler (400), or failed there (status_code, e.g. NaN logits).
                         raise RequestError(reason["message"], reason.get("status_code", 400))
-                    yield state.latest
+                    yield state.snapshot()
                     return
                 if state.stream:
-                    yield state.latest
+                    yield state.snapshot()
         finally:
             if not state.finished:
                 self.abort_request(req.rid)
@@ -412,9 +429,11 @@ class TokenizerManager:
             if state is None:  # aborted or already finished
                 continue
             finished_reason = recv.finished_reasons[i]
-            text = recv.output_strs[i]
-            if finished_reason is None:
-                text = hold_back_partial_stop(text, state.stops)
+            if recv.output_offsets[i] != len(state.output_ids):  # messages of a request arrive in order
+                logger.error("Request %s: outputs from %d, but %d seen", rid, recv.output_offsets[i], len(state.output_ids))
+            # A finished request's message carries its whole text (the matched stop trimmed).
+            state.text = recv.output_strs[i] if finished_reason is not None else state.text + recv.output_strs[i]
+            state.output_ids[recv.output_offsets[i] :] = recv.output_ids[i]
             meta: dict[str, Any] = {
                 "id": rid,
                 "finish_reason": finished_reason,
@@ -424,14 +443,16 @@ class TokenizerManager:
                 "e2e_latency": time.monotonic() - state.created,
             }
             if recv.output_token_logprobs and recv.output_token_logprobs[i] is not None:
-                meta["output_token_logprobs"] = self._logprob_triples(recv.output_token_logprobs[i], state)
+                if state.token_logprobs is None:
+                    state.token_logprobs, state.top_logprobs = [], []
+                state.token_logprobs += self._logprob_triples(recv.output_token_logprobs[i], state)
                 tops = recv.output_top_logprobs[i] if recv.output_top_logprobs else None
-                meta["output_top_logprobs"] = [self._logprob_triples(t, state) for t in (tops or [])]
+                state.top_logprobs += [self._logprob_triples(t, state) for t in (tops or [])]
             if self.server_args.speculative_algorithm is not None and recv.spec_verify_ct:
                 meta["spec_verify_ct"] = recv.spec_verify_ct[i]
             if self.metrics is not None:
                 self.metrics.on_output(state, meta)
-            state.latest = {"text": text, "output_ids": list(recv.output_ids[i]), "meta_info": meta}
+            state.meta = meta
             state.finished = finished_reason is not None
             state.event.set()
 
