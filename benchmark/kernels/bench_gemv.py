@@ -23,7 +23,6 @@ import dataclasses
 import json
 import math
 import multiprocessing
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
 
+from graph_timing import median_replay_ms  # noqa: E402  (this folder)
 from sglang.srt.layers import gemv_triton
 from sglang.srt.layers.fused_ops import silu_and_mul
 from sglang.srt.layers.gemv_triton import GemvConfig, gemv
@@ -131,16 +131,9 @@ def graph_time_us(step: Callable[[torch.Tensor], torch.Tensor], weights: list[to
             step(w)
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    ms = median_replay_ms(graph, replays)
     del graph
-    return statistics.median(times) * 1000 / len(calls)
+    return ms * 1000 / len(calls)
 
 
 def cublas_step(shape: Shape, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

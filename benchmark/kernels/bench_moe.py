@@ -41,12 +41,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
 
+from graph_timing import median_replay_ms  # noqa: E402  (this folder)
 from sglang.srt.layers.fused_ops import silu_and_mul
 from sglang.srt.layers.moe.fused_moe_triton import fused_moe
 from sglang.srt.layers.moe.kernel_config import TILE_TABLE, GemmTile, MoeKernelConfig, kernel_config
-from sglang.srt.layers.tuned import write_table
 from sglang.srt.layers.moe.topk import RoutingConfig
 from sglang.srt.layers.moe.topk_triton import router_logits, select_experts_triton
+from sglang.srt.layers.tuned import write_table
 
 # benchmark/configs/deepseek-v2-lite.json at TP 1.
 HIDDEN, INTER, NUM_EXPERTS, TOP_K, NUM_SHARED, MOE_LAYERS = 2048, 1408, 64, 6, 2, 26
@@ -114,15 +115,7 @@ def time_per_layer(step, x: torch.Tensor, layers: list[Layer], reps: int) -> tup
             step(x, layer)
     for _ in range(3):
         graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) / len(layers), outs
+    return median_replay_ms(graph, reps) / len(layers), outs
 
 
 def selected_bytes(x: torch.Tensor, layers: list[Layer]) -> float:
