@@ -51,8 +51,9 @@ class Shape:
     logits: bool = False  # float32 output (LM head)
 
 
-# Per-rank weights at TP 1. V2-Lite: q_proj (16 x 192) stacked with kv_a (512 + 64); two shared
-# experts of 1408 in 26 MoE layers (its first, dense, layer is left out).
+# Per-rank weights at TP 1. V2-Lite: q_proj (16 x 192) stacked with kv_a (512 + 64) and o in
+# its 27 layers, the dense MLP of its first layer (the shared experts of the 26 MoE layers run in
+# the fused MoE, benchmark/kernels/bench_moe.py).
 MODELS: dict[str, list[Shape]] = {
     "llama8b": [
         Shape("qkv", 6144, 4096, 32),
@@ -64,9 +65,8 @@ MODELS: dict[str, list[Shape]] = {
     "v2lite": [
         Shape("q_kv_a", 3648, 2048, 27),
         Shape("o", 2048, 2048, 27),
-        Shape("shared_gate_up", 5632, 2048, 26),
-        Shape("shared_gate_up", 5632, 2048, 0, gated=True),  # for deepseek_v2's MLP to adopt silu_and_mul
-        Shape("shared_down", 2048, 2816, 26),
+        Shape("gate_up", 21888, 2048, 1, gated=True),
+        Shape("down", 2048, 10944, 1),
         Shape("lm_head", 102400, 2048, 1, logits=True),
     ],
     "smollm2": [

@@ -48,6 +48,12 @@ class ReqToTokenPool:
         """req_to_token.view(-1)[index] = slots (both on the table's device; index unique)."""
         self.req_to_token.view(-1).index_copy_(0, index, slots)
 
+    def write_rows_from(self, rows: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], starts[i] : starts[i] + w] = slots[i] for slots [bs, w], all on
+        the table's device (starts need not have reached the host)."""
+        columns = starts.view(-1, 1) + torch.arange(slots.shape[1], device=slots.device)
+        self.req_to_token[rows.view(-1, 1), columns] = slots
+
     def write_spans(self, rows: list[int], starts: list[int], counts: list[int], slots: torch.Tensor) -> torch.Tensor:
         """req_to_token[rows[i], starts[i] : starts[i] + counts[i]] = the next counts[i] of
         `slots` (host), for every i, through one upload; returns the slots on the device."""

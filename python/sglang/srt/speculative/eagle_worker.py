@@ -353,10 +353,8 @@ class EAGLEWorker:
         )
 
     def _place_after_kv(self, cycle: CycleInputs, slots: torch.Tensor) -> torch.Tensor:
-        """slots [bs, w] (device) into each request's table row from its KV length L, on the
-        device (L may not have reached the host yet); returns slots."""
-        columns = cycle.kv_len.view(-1, 1) + torch.arange(slots.shape[1], device=slots.device)
-        self.kv.req_to_token_pool.req_to_token[cycle.rows.view(-1, 1), columns] = slots
+        """slots [bs, w] (device) into each request's table row from its KV length L; returns slots."""
+        self.kv.req_to_token_pool.write_rows_from(cycle.rows, cycle.kv_len, slots)
         return slots
 
     def draft(self, reqs: list[Req], cycle: CycleInputs, it: SpecIterationPlan) -> DraftTree:
