@@ -1,4 +1,5 @@
-"""Host time per plain decode iteration of the scheduler, in this process.
+"""Host time per decode iteration of the scheduler (a plain step or a speculative cycle), in
+this process.
 
 B requests decode together; each `Scheduler.run_iteration` is timed, and so are the phases
 inside it: scheduling (`get_next_batch`), the launch without the forward, the model
@@ -12,11 +13,15 @@ for the device included (in `process`).
     python benchmark/host_overhead.py --tiny --graph-standin --batch-sizes 1 32 -- --device cpu --dtype float32
     python benchmark/host_overhead.py --config benchmark/configs/smollm2-135m.json --batch-sizes 1 32 -- --cuda-graph-max-bs 32
     python benchmark/host_overhead.py --tiny --batch-sizes 32 --profile 25 -- --device cpu
+    python benchmark/host_overhead.py --tiny-deepseek --graph-standin --batch-sizes 1 32 -- --device cpu \
+        --dtype float32 --speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 \
+        --speculative-num-draft-tokens 4
 
 `--graph-standin` (CPU) takes the CUDA-graph path of the model runner (graph choice, static
 inputs, replay, output copies) with stand-in graphs whose replay does nothing: what is left
-is the host work of a graph step, as on CUDA, without the model. Flags after `--` are server
-flags (e.g. `--disable-overlap-schedule`). The scheduler's request socket is real (nothing
+is the host work of a graph step, as on CUDA, without the model. Under speculation every
+sub-forward's graph is a stand-in (zero logits: every draft is accepted). Flags after `--`
+are server flags (e.g. `--disable-overlap-schedule`). The scheduler's request socket is real (nothing
 arrives on it); messages to the detokenizer are pickled as its socket would, not sent.
 
 One JSON line per batch size; each figure is the median over --repeats runs of the mean per
@@ -97,20 +102,36 @@ class NullGraph:
 
 
 def standin_capture(graphs: CudaGraphRunner) -> None:
-    """CudaGraphRunner.capture on CPU, with NullGraph graphs and zero logits."""
-    largest = max(graphs.keys, key=lambda k: k.num_tokens)
-    warm = graphs.model_runner.forward_eager(graphs.inputs.padding_batch(largest, graphs.modes[largest.mode]))
-    graphs.ensure_outputs(largest, (warm.next_token_logits,))
-    for buffer, _ in graphs.outputs[largest.mode]:
-        buffer.zero_()
+    """CudaGraphRunner.capture on CPU, with NullGraph graphs and zero outputs: one eager
+    warm-up run per mode (its largest key) shapes that mode's output buffers."""
+    runner = graphs.model_runner
+    for mode_name in {key.mode for key in graphs.keys}:
+        largest = max((k for k in graphs.keys if k.mode == mode_name), key=lambda k: k.num_tokens)
+        mode = graphs.modes[mode_name]
+        batch = graphs.inputs.padding_batch(largest, mode)
+        if mode.program is not None:
+            warm = mode.program(batch, runner.forward_eager)
+        else:
+            out = runner.forward_eager(batch)
+            warm = tuple(t for t in (out.next_token_logits, out.hidden_states) if t is not None)
+        graphs.ensure_outputs(largest, warm)
+        for buffer, _ in graphs.outputs[mode_name]:
+            buffer.zero_()
     graphs.graphs = {key: NullGraph() for key in graphs.keys}
+
+
+def standin_graph_modes(runner: ModelRunner) -> dict[ForwardMode, CapturedMode]:
+    """ModelRunner._graph_modes as on CUDA, whatever the device."""
+    if runner.spec_sizes is not None:
+        return runner.spec_sizes.captured_modes(runner.is_draft, runner.draft_loop)
+    return {ForwardMode.DECODE: CapturedMode(1)}
 
 
 def new_scheduler(server_args: ServerArgs, graph_standin: bool) -> Scheduler:
     if not graph_standin:
         return Scheduler(server_args, PortArgs.init_new(server_args), 0, 0, None)
     with (
-        mock.patch.object(ModelRunner, "_graph_modes", lambda self: {ForwardMode.DECODE: CapturedMode(1)}),
+        mock.patch.object(ModelRunner, "_graph_modes", standin_graph_modes),
         mock.patch.object(CudaGraphRunner, "capture", standin_capture),
     ):
         return Scheduler(server_args, PortArgs.init_new(server_args), 0, 0, None)
@@ -173,7 +194,8 @@ def timed_iterations(scheduler: Scheduler, timer: PhaseTimer, iterations: int) -
 
 
 def bench(scheduler: Scheduler, timer: PhaseTimer, args: argparse.Namespace, batch_size: int) -> dict:
-    max_new = args.warmup + args.repeats * args.iterations + 8
+    steps = args.warmup + args.repeats * args.iterations + 8
+    max_new = steps * scheduler.worker.max_tokens_per_step()  # a speculative cycle emits several
     need = batch_size * (args.input_len + max_new)
     if need > scheduler.allocator.size:  # else requests are retracted while timed
         raise SystemExit(f"batch {batch_size} needs {need} KV slots, the pool has {scheduler.allocator.size}: "
@@ -205,6 +227,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--tiny", action="store_true", help="a tiny random Llama (2 layers, 384-token vocabulary)")
+    source.add_argument(
+        "--tiny-deepseek", action="store_true", help="a tiny random DeepSeek-V3 with its MTP layer (for NEXTN)"
+    )
     source.add_argument("--model-path", help="a real model")
     source.add_argument("--config", default=DEFAULT_CONFIG, help="HF config.json: random weights of that shape")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
@@ -227,12 +252,18 @@ def main() -> None:
         from sglang.test.tiny_models import make_tiny_llama
 
         model_path = make_tiny_llama(tempfile.mkdtemp(prefix="host-overhead-"), max_position_embeddings=1 << 14)
+    elif args.tiny_deepseek:
+        from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
+
+        model_path = make_tiny_deepseek_v3(tempfile.mkdtemp(prefix="host-overhead-"), max_position_embeddings=1 << 14)
     elif args.model_path:
         model_path = args.model_path
     else:
         model_path, extra = dummy_model_dir(args.config), ["--load-format", "dummy"]
     running = max(args.batch_sizes)
-    tokens = running * (args.input_len + args.warmup + args.repeats * args.iterations + 16)
+    server_args = prepare_server_args(["--model-path", model_path, *extra, *engine_argv])
+    per_step = server_args.speculative_num_draft_tokens if server_args.speculative_algorithm else 1
+    tokens = running * (args.input_len + (args.warmup + args.repeats * args.iterations + 16) * per_step)
     extra += ["--max-running-requests", str(running), "--max-total-tokens", str(tokens)]
     server_args = prepare_server_args(["--model-path", model_path, *extra, *engine_argv])
     clock = args.clock or ("thread" if server_args.device == "cpu" else "wall")
@@ -241,7 +272,7 @@ def main() -> None:
     for bs in args.batch_sizes:
         row = bench(scheduler, timer, args, bs)
         row.update(
-            model="tiny" if args.tiny else args.model_path or args.config,
+            model="tiny" if args.tiny else "tiny-deepseek" if args.tiny_deepseek else args.model_path or args.config,
             device=scheduler.server_args.device,
             overlap=scheduler.overlap,
             cuda_graph="standin" if args.graph_standin else scheduler.runner.graph_runner is not None,
