@@ -1,11 +1,22 @@
-"""The device-side verify tree and greedy acceptance against plain-Python references."""
+"""The device-side verify tree and greedy acceptance against plain-Python references, and the
+verify program's greedy outcome against the eager path's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sglang.srt.speculative.eagle_utils import build_draft_tree, greedy_accept, select_step_inputs, walk_tree
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.speculative.eagle_utils import (
+    DraftTree,
+    build_draft_tree,
+    greedy_accept,
+    select_step_inputs,
+    verify_outcome,
+    walk_tree,
+)
+from sglang.srt.speculative.verify_program import VerifyProgram
 
 
 def _random_candidates(bs: int, steps: int, topk: int, vocab: int, gen: torch.Generator):
@@ -87,3 +98,64 @@ def test_acceptance_of_an_empty_batch():
     tree = build_draft_tree(torch.zeros(0, 3), torch.zeros(0, 3, dtype=torch.int64), torch.full((0, 3), -1), 4, 3)
     acc = greedy_accept(tree, torch.zeros(0, 4, dtype=torch.int64), torch.zeros(0, 4, dtype=torch.int64), 4)
     assert acc.accept_len.shape == (0,) and acc.nodes.shape == (0, 4) and acc.emitted.shape == (0, 4)
+
+
+def _random_tree(bs: int, steps: int, topk: int, n: int, vocab: int, gen: torch.Generator):
+    scores, tokens, parents = _random_candidates(bs, steps, topk, vocab, gen)
+    tree = build_draft_tree(scores, tokens, parents, n, steps)
+    roots = torch.randint(0, vocab, (bs,), generator=gen)
+    return tree, torch.cat([roots.view(-1, 1), tree.tokens], dim=1)
+
+
+@pytest.mark.parametrize("steps, topk, n", [(1, 1, 2), (3, 1, 4), (3, 4, 8), (4, 3, 7)])
+def test_tree_from_mask_is_the_built_tree(steps, topk, n):
+    gen = torch.Generator().manual_seed(7 * steps + topk + n)
+    tree, node_tokens = _random_tree(5, steps, topk, n, 12, gen)
+    again = DraftTree.from_mask(node_tokens, tree.mask)
+    for built, derived in zip(tree.as_tuple(), again.as_tuple()):
+        assert torch.equal(built, derived)
+
+
+@pytest.mark.parametrize("steps, topk, n", [(1, 1, 2), (3, 1, 4), (3, 4, 8), (4, 3, 7)])
+def test_verify_program_outcome_matches_the_eager_path(steps, topk, n):
+    """The greedy outcome VerifyProgram computes from the verify batch alone equals the eager
+    path's (greedy_accept on the draft loop's tree, then verify_outcome); padded rows (an
+    all-true mask, as StaticInputs pads them) yield in-range values."""
+    gen = torch.Generator().manual_seed(11 * steps + topk + n)
+    bs, pad, vocab, hidden_size, width = 4, 2, 12, 8, steps + 1
+    tree, node_tokens = _random_tree(bs, steps, topk, n, vocab, gen)
+    kv_len = torch.randint(5, 50, (bs,), generator=gen)
+    slots = torch.randperm(1000, generator=gen)[: bs * n].view(bs, n) + 1
+    # Target logits whose argmax often follows the tree, for every row of the padded batch.
+    logits = torch.randn((bs + pad) * n, vocab, generator=gen)
+    for b in range(bs):
+        for c in range(1, n):
+            if torch.rand(1, generator=gen).item() < 0.7:
+                logits[b * n + tree.parents[b, c], node_tokens[b, c]] += 100.0
+    hidden = torch.randn((bs + pad) * n, hidden_size, generator=gen)
+    fb = ForwardBatch(
+        mode=ForwardMode.TARGET_VERIFY,
+        batch_size=bs + pad,
+        input_ids=torch.cat([node_tokens.flatten(), torch.zeros(pad * n, dtype=torch.int64)]),
+        positions=torch.zeros((bs + pad) * n, dtype=torch.int64),
+        out_cache_loc=torch.cat([slots.flatten(), torch.zeros(pad * n, dtype=torch.int64)]),
+        req_pool_indices=torch.zeros(bs + pad, dtype=torch.int64),
+        seq_lens=torch.cat([kv_len + n, torch.full((pad,), n)]),
+        extend_seq_lens=torch.full((bs + pad,), n),
+        custom_mask=torch.cat([tree.mask.flatten(0, 1), torch.ones(pad * n, n, dtype=torch.bool)]),
+    )
+    program = VerifyProgram(n, width)
+    out = program(fb, lambda _: LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden))
+    got_logits, got_hidden, got = VerifyProgram.split(out)
+    assert got_logits is logits and got_hidden is hidden
+    target = logits[: bs * n].argmax(-1).view(bs, n)
+    want = verify_outcome(greedy_accept(tree, node_tokens, target, width), kv_len, slots, hidden[: bs * n])
+    for name, value in zip(("accept_len", "nodes", "emitted"), got.acceptance.as_tuple()):
+        assert torch.equal(value[:bs], getattr(want.acceptance, name)), name
+        assert value[bs:].min() >= 0 and value.shape[0] == bs + pad
+    assert torch.equal(got.extend_slots[:bs], want.extend_slots)
+    assert torch.equal(got.extend_hidden[: bs * width], want.extend_hidden)
+    assert torch.equal(got.extend_logits_rows[:bs], want.extend_logits_rows)
+    assert torch.equal(got.cursors[:bs], want.cursors)
+    assert torch.equal(got.host_reads[:bs], want.host_reads)
+    assert int(got.acceptance.nodes.max()) < n and int(got.acceptance.accept_len.max()) < width

@@ -23,6 +23,7 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
         self.free_slots = list(range(size))
+        self._column_offsets: dict[int, torch.Tensor] = {}  # width -> arange(width) on the device
 
     def available_size(self) -> int:
         return len(self.free_slots)
@@ -51,8 +52,11 @@ class ReqToTokenPool:
     def write_rows_from(self, rows: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> None:
         """req_to_token[rows[i], starts[i] : starts[i] + w] = slots[i] for slots [bs, w], all on
         the table's device (starts need not have reached the host)."""
-        columns = starts.view(-1, 1) + torch.arange(slots.shape[1], device=slots.device)
-        self.req_to_token[rows.view(-1, 1), columns] = slots
+        width = slots.shape[1]
+        offsets = self._column_offsets.get(width)
+        if offsets is None:
+            offsets = self._column_offsets[width] = torch.arange(width, device=self.req_to_token.device)
+        self.req_to_token[rows.view(-1, 1), starts.view(-1, 1) + offsets] = slots
 
     def write_spans(self, rows: list[int], starts: list[int], counts: list[int], slots: torch.Tensor) -> torch.Tensor:
         """req_to_token[rows[i], starts[i] : starts[i] + counts[i]] = the next counts[i] of

@@ -11,7 +11,9 @@ Invariants:
   rows with valid values (token 0, dummy KV slot 0, request row 0, seq_len = extend_len =
   tokens per request), so a padded row never writes a real request's KV;
 - graphs copy their outputs into static output buffers; `replay` returns fresh copies, so
-  nothing handed to callers aliases memory a later replay overwrites;
+  nothing handed to callers aliases memory a later replay overwrites, except in modes
+  captured with `outputs_as_views`: there the caller consumes (or queues copies of) every
+  output before it queues the mode's next replay;
 - choosing a graph reads host values only (no device sync);
 - under DP attention the choice depends only on the iteration plan (the same on every rank):
   when no DP rank extends, every rank replays the decode graph padded to the largest DP
@@ -89,6 +91,7 @@ class CapturedMode:
     logits_at_rows: bool = False  # logits at one given row per request (draft extend)
     draft_scores: bool = False  # spec_info also carries each input token's draft score
     program: Optional[GraphProgram] = None  # the captured work; None: one model forward
+    outputs_as_views: bool = False  # replay returns views of the output buffers (no copies)
 
 
 @dataclass(frozen=True)
@@ -463,12 +466,14 @@ class CudaGraphRunner:
 
     # ------------------------------------------------------------------ replay
     def replay(self, fb: ForwardBatch, key: GraphKey) -> Union[LogitsProcessorOutput, tuple[torch.Tensor, ...]]:
-        """Run fb through the graph of key (from key_for); outputs are fresh tensors: the
-        program's outputs, or the forward's logits (and hidden states)."""
+        """Run fb through the graph of key (from key_for); outputs are fresh tensors (views
+        under `outputs_as_views`): the program's outputs, or the forward's logits (and hidden states)."""
         mode = self.modes[key.mode]
         self.inputs.fill(fb, key, mode)
         self.graphs[key].replay()
-        outs = tuple(buffer[: fb.batch_size * per_req].clone() for buffer, per_req in self.outputs[key.mode])
+        outs = tuple(buffer[: fb.batch_size * per_req] for buffer, per_req in self.outputs[key.mode])
+        if not mode.outputs_as_views:
+            outs = tuple(t.clone() for t in outs)
         if mode.program is not None:
             return outs
         return LogitsProcessorOutput(next_token_logits=outs[0], hidden_states=outs[1] if len(outs) > 1 else None)

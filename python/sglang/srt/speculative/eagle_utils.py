@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+DUMMY_KV_SLOT = 0  # TokenToKVPoolAllocator never hands out slot 0
+
 
 def select_step_inputs(
     child_scores: torch.Tensor, child_tokens: torch.Tensor, topk: int
@@ -44,6 +46,16 @@ class DraftTree:
 
     def as_tuple(self) -> tuple[torch.Tensor, ...]:
         return self.tokens, self.parents, self.depths, self.mask
+
+    @classmethod
+    def from_mask(cls, node_tokens: torch.Tensor, mask: torch.Tensor) -> "DraftTree":
+        """The tree of a verify batch from its node tokens [bs, n] and tree mask [bs, n, n]
+        alone. A node's ancestors are numbered below it, its parent highest among them."""
+        n = mask.shape[-1]
+        nodes = torch.arange(n, device=mask.device)
+        strict = mask & (nodes.view(-1, 1) != nodes)  # [bs, n, n]: the ancestors but itself
+        parents = torch.where(strict, nodes, 0).amax(dim=-1)  # the root has none: its own parent 0
+        return cls(node_tokens[:, 1:], parents, strict.sum(dim=-1), mask)
 
 
 def build_draft_tree(
@@ -80,6 +92,9 @@ class Acceptance:
     nodes: torch.Tensor  # [bs, width] node of each emitted token; past accept_len: the last node
     emitted: torch.Tensor  # [bs, width] target's token at nodes[j]; past accept_len: 0
 
+    def as_tuple(self) -> tuple[torch.Tensor, ...]:
+        return self.accept_len, self.nodes, self.emitted
+
 
 def greedy_accept(tree: DraftTree, tokens: torch.Tensor, target_tokens: torch.Tensor, width: int) -> Acceptance:
     """Greedy verification: a node is kept iff its token and every ancestor's equal the
@@ -91,7 +106,9 @@ def greedy_accept(tree: DraftTree, tokens: torch.Tensor, target_tokens: torch.Te
     match = tokens == target_tokens.gather(1, tree.parents)
     match[:, 0] = True
     kept = ~(tree.mask & ~match.unsqueeze(1)).any(dim=-1)
-    accept_len = kept.sum(dim=1) - 1
+    # A real tree keeps its root and at most steps + 1 = width nodes; the bounds matter for
+    # padded rows only (their all-true masks), whose outcome is discarded.
+    accept_len = (kept.sum(dim=1) - 1).clamp(0, width - 1)
     return _acceptance(kept, tree.depths, accept_len, target_tokens, width)
 
 
@@ -104,6 +121,48 @@ def _acceptance(
     nodes = torch.where(at_depth.any(dim=-1), nodes, nodes.gather(1, accept_len.view(-1, 1)))
     emitted = torch.where(columns <= accept_len.view(-1, 1), target_tokens.gather(1, nodes), 0)
     return Acceptance(accept_len, nodes, emitted)
+
+
+@dataclass
+class VerifyOutcome:
+    """What a verify leaves for the rest of its cycle, per request, on the device."""
+
+    acceptance: Acceptance
+    extend_slots: torch.Tensor  # [bs, width] the kept nodes' slots, then the dummy slot
+    extend_hidden: torch.Tensor  # [bs * width, hidden] target hidden state of each emitted token's node
+    extend_logits_rows: torch.Tensor  # [bs] the draft extend's row of each request's last emitted token
+    cursors: torch.Tensor  # [bs, 2] the next cycle's RequestStates.cursors: L + accept_len + 1, last emitted token
+    host_reads: torch.Tensor  # [bs, 1 + 2 * width] accept_len, nodes, emitted: what the host reads
+
+    def as_tuple(self) -> tuple[torch.Tensor, ...]:
+        return (*self.acceptance.as_tuple(), self.extend_slots, self.extend_hidden, self.extend_logits_rows,
+                self.cursors, self.host_reads)
+
+    @classmethod
+    def from_tuple(cls, values: tuple[torch.Tensor, ...]) -> "VerifyOutcome":
+        accept_len, nodes, emitted, *rest = values
+        return cls(Acceptance(accept_len, nodes, emitted), *rest)
+
+
+def verify_outcome(
+    acceptance: Acceptance, kv_len: torch.Tensor, slots: torch.Tensor, target_hidden: torch.Tensor
+) -> VerifyOutcome:
+    """kv_len: [bs] L; slots: the verify's [bs, n]; target_hidden: its [bs * n, hidden] output.
+    The draft extend's row j of request b holds emitted token j (pads past accept_len write
+    the dummy slot)."""
+    accept_len, nodes, emitted = acceptance.as_tuple()
+    bs, n, width = slots.shape[0], slots.shape[1], nodes.shape[1]
+    arange_bs = torch.arange(bs, device=slots.device)
+    real = torch.arange(width, device=slots.device) <= accept_len.view(-1, 1)
+    last_token = emitted.gather(1, accept_len.view(-1, 1))
+    return VerifyOutcome(
+        acceptance,
+        torch.where(real, slots.gather(1, nodes), DUMMY_KV_SLOT),
+        target_hidden[(arange_bs.view(-1, 1) * n + nodes).flatten()],  # fresh (never a view of a gathered buffer)
+        arange_bs * width + accept_len,
+        torch.cat([(kv_len + accept_len + 1).view(-1, 1), last_token], dim=1),
+        torch.cat([accept_len.view(-1, 1), nodes, emitted], dim=1),
+    )
 
 
 def non_finite_requests(logits: torch.Tensor, batch_size: int) -> torch.Tensor:

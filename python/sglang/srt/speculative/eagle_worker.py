@@ -7,8 +7,8 @@ with seq_len L (target and draft KV at positions 0..L-2, last token x_{L-1} not 
      verify tree (the root x_{L-1} plus the num_draft_tokens - 1 best candidates) is built
      on the device; with CUDA graphs the whole loop is one graph (draft_loop.py);
   2. verify: the target runs the tree (tree mask), positions L-1 + depth;
-  3. accept: greedy on the device, or lossless sampling walked on the host; accepted tokens
-     plus one bonus are emitted;
+  3. accept: greedy on the device (inside the verify program, verify_program.py), or lossless
+     sampling walked on the host; accepted tokens plus one bonus are emitted;
   4. the accepted nodes' KV slots move to positions L-1.. (on the device) and the draft
      extends on the emitted tokens with the target hidden states of the nodes before them,
      padded to steps + 1 rows per request (pads write the dummy KV slot 0; logits are taken
@@ -34,7 +34,6 @@ import torch
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
-from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo, greedy_tokens
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.tp_worker import GenerationResult, LaunchedStep, TpModelWorker
@@ -45,13 +44,17 @@ from sglang.srt.speculative.draft_loop import DraftLoop
 from sglang.srt.speculative.eagle_utils import (
     Acceptance,
     DraftTree,
+    VerifyOutcome,
     build_draft_tree,
     greedy_accept,
     non_finite_requests,
+    verify_outcome,
     walk_tree,
 )
 from sglang.srt.speculative.spec_info import RequestStates, SpecInput
 from sglang.srt.speculative.spec_plan import SpecIterationPlan, SpecSizes, SubForward
+from sglang.srt.speculative.verify_program import VerifyProgram
+from sglang.srt.utils.device_constants import DeviceConstants
 from sglang.srt.utils.transfer import HostCopy, to_device, to_host, upload
 
 logger = logging.getLogger(__name__)
@@ -67,7 +70,6 @@ _GLOBAL_MODE = {
     SubForward.TARGET_VERIFY: ForwardMode.TARGET_VERIFY,
     SubForward.DRAFT_EXTEND: ForwardMode.DRAFT_EXTEND,
 }
-_DUMMY_SLOT = 0  # TokenToKVPoolAllocator never hands out slot 0
 
 
 def draft_model_config(server_args: ServerArgs) -> ModelConfig:
@@ -112,24 +114,25 @@ class CycleInputs:
 
     @classmethod
     def gather(
-        cls, reqs: list[Req], states: RequestStates, sizes: SpecSizes, max_position: int, device: str
+        cls, reqs: list[Req], states: RequestStates, sizes: SpecSizes, max_position: int, constants: DeviceConstants
     ) -> "CycleInputs":
-        (rows,) = upload([[r.req_pool_idx for r in reqs]], device)
-        kv_len, width = states.kv_lens[rows], sizes.draft_extend_rows
+        (rows,) = upload([[r.req_pool_idx for r in reqs]], constants.device)
+        bs, width = len(reqs), sizes.draft_extend_rows
+        kv_len, roots = states.cursors[rows].unbind(1)
         # A request whose previous cycle is in flight gained 1 .. steps + 1 KV positions in it.
         host_kv = [r.kv_len + width * r.in_flight for r in reqs]
         exact = not any(r.in_flight for r in reqs)
-        lengths = []
-        for new in (sizes.topk, sizes.num_draft_tokens, width):
-            ext = torch.full_like(kv_len, new)
-            lengths.append(Lengths(kv_len + new, ext, [L + new for L in host_kv], [new] * len(reqs)))
-        columns = torch.arange(width, device=kv_len.device)
+        lengths = [
+            Lengths(kv_len + new, constants.full((bs,), new), [L + new for L in host_kv], [new] * bs)
+            for new in (sizes.topk, sizes.num_draft_tokens, width)
+        ]
+        extend_positions = (kv_len.view(-1, 1) + constants.arange(width)).clamp(max=max_position)  # [bs, width]
         return cls(
             rows,
             kv_len,
-            states.last_tokens[rows],
-            kv_len.clamp(max=max_position).repeat_interleave(sizes.topk),
-            (kv_len.view(-1, 1) + columns).clamp(max=max_position).flatten(),
+            roots,
+            extend_positions[:, 0].repeat_interleave(sizes.topk),
+            extend_positions.flatten(),
             *lengths,
             exact,
         )
@@ -155,7 +158,7 @@ class LaunchedCycle:
         return None
 
     def resolve(self) -> GenerationResult:
-        return self.finish(self.reqs, self.slots, self.reads.lists())
+        return self.finish(self.reqs, self.slots, self.reads.tensors())
 
 
 class EAGLEWorker:
@@ -191,6 +194,11 @@ class EAGLEWorker:
         self.states = RequestStates(
             target_runner.req_to_token_pool.size, self.topk, self.hidden_size, self.draft_runner.dtype, self.device
         )
+        self.constants = DeviceConstants(self.device)
+        # The sub-forwards that run as one program (its graph, or its forwards eagerly).
+        self.programs = {SubForward.TARGET_VERIFY: self.sizes.verify_program()}
+        if self.draft_loop is not None:
+            self.programs[SubForward.DRAFT_LOOP] = self.draft_loop
         # Sub-forwards of the latest iteration: (kind, rows of every DP rank, local rows).
         self.trace: list[tuple[str, Optional[tuple[int, ...]], int]] = []
         logger.info(
@@ -237,8 +245,7 @@ class EAGLEWorker:
         return [(kind.value, it.rows(kind)) for kind in it.sub_forwards()]
 
     def _forward(self, runner: ModelRunner, fb: ForwardBatch, kind: SubForward, it: SpecIterationPlan):
-        """Every sub-forward goes through here: sets its DP sizes and records it. The draft
-        loop runs as one program (its graph, or its forwards eagerly)."""
+        """Every sub-forward goes through here: sets its DP sizes and records it."""
         fb.global_num_tokens = it.global_num_tokens(kind)
         if fb.global_num_tokens is not None:
             fb.global_forward_mode = _GLOBAL_MODE[kind]
@@ -248,8 +255,9 @@ class EAGLEWorker:
             assert fb.spec_info.hidden_states.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
         rows = tuple(fb.global_num_tokens) if fb.global_num_tokens is not None else None
         self.trace.append((kind.value, rows, fb.num_tokens))
-        if kind == SubForward.DRAFT_LOOP:
-            return runner.run_program(fb, self.draft_loop)
+        program = self.programs.get(kind)
+        if program is not None:
+            return runner.run_program(fb, program)
         return runner.forward(fb)
 
     def _idle(self, it: SpecIterationPlan, kinds: list[SubForward]) -> None:
@@ -274,7 +282,8 @@ class EAGLEWorker:
                 extend_seq_lens=empty,
                 custom_mask=torch.zeros((0, tree_cols), dtype=torch.bool, device=self.device) if tree_cols else None,
                 spec_info=None if target else SpecInput(hidden, scores if loop else None),
-                capture_hidden_mode=CaptureHiddenMode.FULL if loop else CaptureHiddenMode.NULL,  # the loop feeds it on
+                # The programs read it (the loop feeds it on, the verify hands it to the draft extend).
+                capture_hidden_mode=CaptureHiddenMode.FULL if kind in self.programs else CaptureHiddenMode.NULL,
             )
             self._forward(runner, fb, kind, it)
 
@@ -314,11 +323,27 @@ class EAGLEWorker:
     # ------------------------------------------------------------------ decode cycle
     def launch_decode(self, batch: ScheduleBatch, it: SpecIterationPlan) -> LaunchedCycle:
         reqs = batch.reqs
-        cycle = CycleInputs.gather(reqs, self.states, self.sizes, self.max_position, self.device)
+        cycle = CycleInputs.gather(reqs, self.states, self.sizes, self.max_position, self.constants)
         tree = self.draft(reqs, cycle, it)
         node_tokens = torch.cat([cycle.roots.view(-1, 1), tree.tokens], dim=1)
-        slots, dev_slots, out = self.verify(reqs, cycle, tree, node_tokens, it)
-        logits = out.next_token_logits
+        slots, dev_slots, (logits, hidden, outcome) = self.verify(reqs, cycle, tree, node_tokens, it)
+        if not _greedy_without_penalties(reqs):  # else the verify program's own outcome holds
+            logits, acceptance = self.accept(reqs, tree, node_tokens, logits)
+            outcome = verify_outcome(acceptance, cycle.kv_len, dev_slots, hidden)
+        # Everything the host needs from this cycle, read once after the last forward is queued.
+        reads = [outcome.host_reads]
+        if self.detect_nan:
+            reads.append(non_finite_requests(logits, len(reqs)))
+        if any(r.return_logprob for r in reqs):
+            reads += self._logprobs(reqs, logits, outcome.acceptance)
+        self.draft_extend(cycle, outcome, it)
+        self.states.cursors.index_copy_(0, cycle.rows, outcome.cursors)
+        return LaunchedCycle(reqs, slots, HostCopy(*reads), self._result)
+
+    def accept(
+        self, reqs: list[Req], tree: DraftTree, node_tokens: torch.Tensor, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, Acceptance]:
+        """The verify logits after penalties and what they accept (greedy, or sampled)."""
         info = SamplingBatchInfo.from_requests(  # penalties see the tokens generated before this cycle
             [r.sampling_params for r in reqs for _ in range(self.num_draft)],
             [(r.origin_input_ids, r.output_ids) for r in reqs for _ in range(self.num_draft)],
@@ -329,20 +354,8 @@ class EAGLEWorker:
         logits = info.apply_penalties(logits)
         if info.all_greedy:
             target_tokens = greedy_tokens(logits).view(len(reqs), self.num_draft)
-            acceptance = greedy_accept(tree, node_tokens, target_tokens, self.sizes.draft_extend_rows)
-        else:
-            acceptance = self.sample_accept(reqs, tree, node_tokens, logits, info)
-        # Everything the host needs from this cycle, read once after the last forward is queued.
-        reads = [acceptance.accept_len, acceptance.emitted, acceptance.nodes]
-        if self.detect_nan:
-            reads.append(non_finite_requests(logits, len(reqs)))
-        if any(r.return_logprob for r in reqs):
-            reads += self._logprobs(reqs, logits, acceptance)
-        self.draft_extend(cycle, acceptance, dev_slots, out.hidden_states, it)
-        last = acceptance.emitted.gather(1, acceptance.accept_len.view(-1, 1)).squeeze(1)
-        self.states.last_tokens.index_copy_(0, cycle.rows, last)
-        self.states.kv_lens.index_add_(0, cycle.rows, acceptance.accept_len + 1)
-        return LaunchedCycle(reqs, slots, HostCopy(*reads), self._result)
+            return logits, greedy_accept(tree, node_tokens, target_tokens, self.sizes.draft_extend_rows)
+        return logits, self.sample_accept(reqs, tree, node_tokens, logits, info)
 
     @staticmethod
     def _batch(mode: ForwardMode, cycle: CycleInputs, lengths: Lengths, **fields) -> ForwardBatch:
@@ -362,8 +375,7 @@ class EAGLEWorker:
         bs, k = len(reqs), self.topk
         probs, tokens, hidden = self.states.draft_guesses(cycle.rows)
         if self.steps == 1:
-            parents = torch.full((bs, k), -1, dtype=torch.int64, device=self.device)
-            return build_draft_tree(probs, tokens, parents, self.num_draft, 1)
+            return build_draft_tree(probs, tokens, self.constants.full((bs, k), -1), self.num_draft, 1)
         # Scratch slots: step t's inputs of request b at row positions L + t*k + j.
         width = (self.steps - 1) * k
         scratch_host = self.kv.alloc(bs * width)
@@ -373,9 +385,10 @@ class EAGLEWorker:
             input_ids=tokens.flatten(),
             positions=cycle.draft_positions,
             out_cache_loc=scratch[:, :k].flatten(),
-            custom_mask=torch.eye(k, dtype=torch.bool, device=self.device).repeat(bs, 1),
+            custom_mask=self.constants.tiled_eye(bs, k),
             capture_hidden_mode=CaptureHiddenMode.FULL,
-            spec_info=SpecInput(hidden.repeat_interleave(k, dim=0), probs.flatten()),
+            # Each guess's copy of the hidden state (hidden itself when topk = 1).
+            spec_info=SpecInput(hidden.unsqueeze(1).expand(-1, k, -1).flatten(0, 1), probs.flatten()),
         )
         tree = DraftTree(*self._forward(self.draft_runner, fb, SubForward.DRAFT_LOOP, it))
         self.kv.allocator.free(scratch_host)
@@ -383,9 +396,9 @@ class EAGLEWorker:
 
     def verify(
         self, reqs: list[Req], cycle: CycleInputs, tree: DraftTree, node_tokens: torch.Tensor, it: SpecIterationPlan
-    ) -> tuple[torch.Tensor, torch.Tensor, LogitsProcessorOutput]:
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, VerifyOutcome]]:
         """Target forward over every request's tree; returns its slots [bs, n] on the host and
-        on the device, and its output."""
+        on the device, and its logits, hidden states and greedy outcome (VerifyProgram)."""
         n = self.num_draft
         slots = self.kv.alloc(len(reqs) * n)
         dev_slots = self._place_after_kv(cycle, to_device(slots, self.device).view(len(reqs), n))
@@ -399,7 +412,7 @@ class EAGLEWorker:
             capture_hidden_mode=CaptureHiddenMode.FULL,
         )
         out = self._forward(self.target.runner, fb, SubForward.TARGET_VERIFY, it)
-        return slots.view(len(reqs), n), dev_slots, out
+        return slots.view(len(reqs), n), dev_slots, VerifyProgram.split(out)
 
     def sample_accept(
         self, reqs: list[Req], tree: DraftTree, node_tokens: torch.Tensor, logits: torch.Tensor, info: SamplingBatchInfo
@@ -445,38 +458,33 @@ class EAGLEWorker:
         top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
         return [chosen, *torch.topk(logprobs, top_n, dim=-1)] if top_n else [chosen]
 
-    def draft_extend(
-        self, cycle: CycleInputs, acceptance: Acceptance, slots: torch.Tensor, target_hidden: torch.Tensor, it: SpecIterationPlan
-    ) -> None:
-        """slots: the verify's [bs, n] on the device. Move the kept nodes' slots to positions
-        L.. (positions past them, up to the draft extend's rows, get the dummy slot, which its
-        pad rows write), then let the draft catch up: position L + j consumes emitted token j
-        with the target hidden state of its node. Pads come after every real row, so no real
-        row sees them (causally)."""
-        bs, n, width = slots.shape[0], self.num_draft, self.sizes.draft_extend_rows
-        columns = torch.arange(width, device=self.device)
-        real = columns <= acceptance.accept_len.view(-1, 1)
-        kept = self._place_after_kv(cycle, torch.where(real, slots.gather(1, acceptance.nodes), _DUMMY_SLOT))
-        node_rows = torch.arange(bs, device=self.device).view(-1, 1) * n + acceptance.nodes
+    def draft_extend(self, cycle: CycleInputs, outcome: VerifyOutcome, it: SpecIterationPlan) -> None:
+        """Move the kept nodes' slots to positions L.. (positions past them, up to the draft
+        extend's rows, get the dummy slot, which its pad rows write), then let the draft catch
+        up: position L + j consumes emitted token j with the target hidden state of its node.
+        Pads come after every real row, so no real row sees them (causally)."""
+        kept = self._place_after_kv(cycle, outcome.extend_slots)
         fb = self._batch(
             ForwardMode.DRAFT_EXTEND, cycle, cycle.extend,
-            input_ids=acceptance.emitted.flatten(),
+            input_ids=outcome.acceptance.emitted.flatten(),
             positions=cycle.extend_positions,
             out_cache_loc=kept.flatten(),
             capture_hidden_mode=CaptureHiddenMode.LAST,
-            logits_indices=torch.arange(bs, device=self.device) * width + acceptance.accept_len,
-            spec_info=SpecInput(target_hidden[node_rows.flatten()]),
+            logits_indices=outcome.extend_logits_rows,
+            spec_info=SpecInput(outcome.extend_hidden),
         )
         out = self._forward(self.draft_runner, fb, SubForward.DRAFT_EXTEND, it)
         self.states.store_draft(cycle.rows, out.next_token_logits, out.hidden_states)
 
-    def _result(self, reqs: list[Req], slots: torch.Tensor, reads: list) -> GenerationResult:
-        """The cycle's tokens per request from what it read; frees the nodes not kept (all of a
-        request that finished while the cycle was in flight: its tokens are dropped)."""
-        accept_len, emitted, nodes, *rest = reads
-        kept = [set() if r.finished else set(nodes[b][: a + 1]) for b, (r, a) in enumerate(zip(reqs, accept_len))]
-        keep = torch.tensor([[c in kept[b] for c in range(self.num_draft)] for b in range(len(reqs))], dtype=torch.bool)
-        self.kv.allocator.free(slots[~keep])
+    def _result(self, reqs: list[Req], slots: torch.Tensor, reads: tuple[torch.Tensor, ...]) -> GenerationResult:
+        """The cycle's tokens per request from what it read (host tensors); frees the nodes not
+        kept (all of a request that finished while the cycle was in flight: its tokens are dropped)."""
+        host_reads, *rest = reads
+        rest = [t.tolist() for t in rest]
+        width = self.sizes.draft_extend_rows
+        rows = host_reads.tolist()  # per request: accept_len, nodes, emitted (VerifyOutcome.host_reads)
+        accept_len, emitted = [row[0] for row in rows], [row[1 + width :] for row in rows]
+        self.kv.allocator.free(slots[~self._kept_nodes(reqs, host_reads[:, 1 : 1 + width])])
         result = GenerationResult(
             next_token_ids=[emitted[b][: a + 1] for b, a in enumerate(accept_len)],
             kv_written=[a + 1 for a in accept_len],
@@ -491,6 +499,15 @@ class EAGLEWorker:
             self._fill_logprobs(reqs, accept_len, emitted, rest, result)
         return result
 
+    def _kept_nodes(self, reqs: list[Req], nodes: torch.Tensor) -> torch.Tensor:
+        """[bs, n] bool (host): the verify nodes whose slots a request keeps. nodes [bs, width]
+        repeats the last kept node past accept_len; a finished request keeps none."""
+        keep = torch.zeros((len(reqs), self.num_draft), dtype=torch.bool).scatter_(1, nodes, True)
+        finished = [b for b, r in enumerate(reqs) if r.finished]
+        if finished:
+            keep[finished] = False
+        return keep
+
     def _fill_logprobs(
         self, reqs: list[Req], accept_len: list[int], emitted: list[list[int]], reads: list, result: GenerationResult
     ) -> None:
@@ -502,3 +519,8 @@ class EAGLEWorker:
             result.logprobs.append([(chosen[i], emitted[b][j]) for j, i in enumerate(rows)])
             k = req.top_logprobs_num
             result.top_logprobs.append([list(zip(tops[0][i][:k], tops[1][i][:k])) for i in rows] if tops and k else [])
+
+
+def _greedy_without_penalties(reqs: list[Req]) -> bool:
+    """Whether the verify's argmax decides the cycle (VerifyProgram's greedy outcome holds)."""
+    return all(r.sampling_params.is_greedy and not r.sampling_params.has_penalties for r in reqs)

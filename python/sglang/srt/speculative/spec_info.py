@@ -31,8 +31,9 @@ class RequestStates:
     position j having consumed token j+1; the guesses come from the draft's last position."""
 
     def __init__(self, rows: int, topk: int, hidden_size: int, dtype: torch.dtype, device: str):
-        self.kv_lens = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.last_tokens = torch.zeros(rows, dtype=torch.int64, device=device)
+        # (L, last token) per row: a batch reads both with one index and a cycle writes both with one copy.
+        self.cursors = torch.zeros((rows, 2), dtype=torch.int64, device=device)
+        self.kv_lens, self.last_tokens = self.cursors.unbind(1)
         self.probs = torch.zeros((rows, topk), dtype=torch.float32, device=device)
         self.tokens = torch.zeros((rows, topk), dtype=torch.int64, device=device)
         self.hidden = torch.zeros((rows, hidden_size), dtype=dtype, device=device)

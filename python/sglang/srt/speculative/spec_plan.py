@@ -23,6 +23,7 @@ from typing import Optional
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
 from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, GraphProgram
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.speculative.verify_program import VerifyProgram
 
 
 class SubForward(enum.Enum):
@@ -60,23 +61,33 @@ class SpecSizes:
         return max(self.decode_kv_need_per_req, self.draft_extend_rows)
 
     def captured_modes(self, is_draft: bool, draft_loop: Optional[GraphProgram] = None) -> dict[ForwardMode, CapturedMode]:
-        """The sub-forwards a CUDA graph captures: target verify on the target; the whole
-        draft loop (its first step's batch: topk tokens per request, a topk-wide tree mask)
-        and the draft extend after verify on the draft."""
+        """The sub-forwards a CUDA graph captures: target verify (with the greedy acceptance)
+        on the target; the whole draft loop (its first step's batch: topk tokens per request,
+        a topk-wide tree mask) and the draft extend after verify on the draft. A cycle
+        consumes every output before the next cycle replays the graph: no output copies."""
         if not is_draft:
             n = self.num_draft_tokens
-            return {ForwardMode.TARGET_VERIFY: CapturedMode(n, (n,), CaptureHiddenMode.FULL)}
+            return {
+                ForwardMode.TARGET_VERIFY: CapturedMode(
+                    n, (n,), CaptureHiddenMode.FULL, program=self.verify_program(), outputs_as_views=True
+                )
+            }
         modes = {
             ForwardMode.DRAFT_EXTEND: CapturedMode(
-                self.draft_extend_rows, capture_hidden=CaptureHiddenMode.LAST, draft_input=True, logits_at_rows=True
+                self.draft_extend_rows, capture_hidden=CaptureHiddenMode.LAST, draft_input=True, logits_at_rows=True,
+                outputs_as_views=True,
             )
         }
         if self.steps > 1:
             assert draft_loop is not None, "a draft with draft steps captures its loop"
             modes[ForwardMode.DRAFT_DECODE] = CapturedMode(
-                self.topk, (self.topk,), CaptureHiddenMode.FULL, draft_input=True, draft_scores=True, program=draft_loop
+                self.topk, (self.topk,), CaptureHiddenMode.FULL, draft_input=True, draft_scores=True, program=draft_loop,
+                outputs_as_views=True,
             )
         return modes
+
+    def verify_program(self) -> VerifyProgram:
+        return VerifyProgram(self.num_draft_tokens, self.draft_extend_rows)
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,9 @@ def upload(
 
 class HostCopy:
     """Device tensors on their way into pinned host memory: queued without waiting, so the
-    host can go on (e.g. schedule the next step); `lists()` waits once for all of them."""
+    host can go on (e.g. schedule the next step); `lists()` waits once for all of them.
+    The values are those the tensors hold when the copy is queued (a tensor may be a view of
+    a buffer that later work rewrites)."""
 
     def __init__(self, *tensors: torch.Tensor):
         self._done: torch.cuda.Event | None = None
@@ -66,13 +68,19 @@ class HostCopy:
             tensors = tuple(t.to("cpu", non_blocking=True) for t in tensors)  # into pinned memory
             self._done = torch.cuda.Event()
             self._done.record()
+        else:
+            tensors = tuple(t.clone() for t in tensors)
         self._tensors = tensors
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The values as host tensors."""
+        if self._done is not None:
+            self._done.synchronize()
+        return self._tensors
 
     def lists(self) -> list:
         """The values as (nested) lists."""
-        if self._done is not None:
-            self._done.synchronize()
-        return [t.tolist() for t in self._tensors]
+        return [t.tolist() for t in self.tensors()]
 
 
 def to_host(*tensors: torch.Tensor) -> list:
