@@ -23,17 +23,20 @@ mkdir -p "$out"
 (nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true) | tee "$out/machine.txt"
 date -u +%Y-%m-%dT%H:%MZ | tee -a "$out/machine.txt"
 
-serve() {  # serve MODEL [server flags...]: start a server in the background and wait for /health
+serve() {  # serve LABEL MODEL [server flags...]: start a server in the background (its log:
+  # OUT/server_LABEL.log) and wait for /health
+  server_log="$out/server_$1.log"
+  shift
   # shellcheck disable=SC2086
-  python -m sglang.launch_server --model-path "$@" $server_flags --port "$port" >"$out/server.log" 2>&1 &
+  python -m sglang.launch_server --model-path "$@" $server_flags --port "$port" >"$server_log" 2>&1 &
   server_pid=$!
   for _ in $(seq 600); do
     python -c "import requests, sys; sys.exit(requests.get('http://127.0.0.1:$port/health', timeout=5).status_code != 200)" \
       2>/dev/null && return 0
-    kill -0 "$server_pid" 2>/dev/null || { tail -50 "$out/server.log"; return 1; }
+    kill -0 "$server_pid" 2>/dev/null || { tail -50 "$server_log"; return 1; }
     sleep 1
   done
-  tail -50 "$out/server.log"
+  tail -50 "$server_log"
   return 1
 }
 
@@ -44,12 +47,13 @@ stop() {
 
 serving() {  # serving LABEL PROMPTS OUTPUT_LEN: held-out prompts at concurrency 1 (16 prompts) and 32 (64)
   for c in 1 32; do
-    # One unrecorded wave first: kernels of the new batch sizes compile outside the measurement.
-    python -m sglang.bench_serving --backend sglang --port "$port" --dataset-name file --dataset-path "$2" \
-      --num-prompts "$c" --random-output-len "$3" --max-concurrency "$c" --flush-cache >/dev/null
-    python -m sglang.bench_serving --backend sglang --port "$port" --dataset-name file --dataset-path "$2" \
-      --num-prompts $((c == 1 ? 16 : 64)) --random-output-len "$3" --max-concurrency "$c" --flush-cache \
-      --output-file "$out/serving_$1.jsonl"
+    # The same run unrecorded first: every kernel its batches need compiles outside the
+    # measurement (and each arm meets Triton's on-disk cache as warm as the other).
+    for record in /dev/null "$out/serving_$1.jsonl"; do
+      python -m sglang.bench_serving --backend sglang --port "$port" --dataset-name file --dataset-path "$2" \
+        --num-prompts $((c == 1 ? 16 : 64)) --random-output-len "$3" --max-concurrency "$c" --flush-cache \
+        --output-file "$record"
+    done
   done
 }
 
@@ -84,10 +88,10 @@ case $phase in
     ;;
   nextn)
     prompts
-    serve "$models/deepseek-v3-mtp"
+    serve deepseek_nospec "$models/deepseek-v3-mtp"
     serving deepseek_nospec "$models/heldout_prompts.jsonl" 256
     stop
-    serve "$models/deepseek-v3-mtp" --speculative-algorithm NEXTN --speculative-num-steps 3 \
+    serve deepseek_nextn "$models/deepseek-v3-mtp" --speculative-algorithm NEXTN --speculative-num-steps 3 \
       --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
     serving deepseek_nextn_3_1_4 "$models/heldout_prompts.jsonl" 256
     stop
@@ -96,12 +100,12 @@ case $phase in
     data=${MMLU_DIR:-/tmp/mmlu_synthetic}
     [ -d "$data" ] || python benchmark/mmlu/make_synthetic.py --out "$data" --num-test 100
     prompts
-    serve "$smollm2"
+    serve smollm2_nospec "$smollm2"
     python benchmark/mmlu/bench_sglang.py --data_dir "$data" --nsub 60 --parallel 64 --port "$port" \
       --result-file "$out/mmlu_smollm2_nospec.jsonl"
     serving smollm2_nospec "$models/heldout_prompts.jsonl" 256
     stop
-    serve "$smollm2" --speculative-algorithm EAGLE \
+    serve smollm2_eagle "$smollm2" --speculative-algorithm EAGLE \
       --speculative-draft-model-path "$models/$eagle_dir" \
       --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
     python benchmark/mmlu/bench_sglang.py --data_dir "$data" --nsub 60 --parallel 64 --port "$port" \
