@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sglang.srt.utils.device_constants import DeviceConstants
 from sglang.srt.utils.transfer import upload
 
 
@@ -23,7 +24,7 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
         self.free_slots = list(range(size))
-        self._column_offsets: dict[int, torch.Tensor] = {}  # width -> arange(width) on the device
+        self.constants = DeviceConstants(device)
 
     def available_size(self) -> int:
         return len(self.free_slots)
@@ -52,10 +53,7 @@ class ReqToTokenPool:
     def write_rows_from(self, rows: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> None:
         """req_to_token[rows[i], starts[i] : starts[i] + w] = slots[i] for slots [bs, w], all on
         the table's device (starts need not have reached the host)."""
-        width = slots.shape[1]
-        offsets = self._column_offsets.get(width)
-        if offsets is None:
-            offsets = self._column_offsets[width] = torch.arange(width, device=self.req_to_token.device)
+        offsets = self.constants.arange(slots.shape[1])
         self.req_to_token[rows.view(-1, 1), starts.view(-1, 1) + offsets] = slots
 
     def write_spans(self, rows: list[int], starts: list[int], counts: list[int], slots: torch.Tensor) -> torch.Tensor:

@@ -194,7 +194,7 @@ class EAGLEWorker:
         self.states = RequestStates(
             target_runner.req_to_token_pool.size, self.topk, self.hidden_size, self.draft_runner.dtype, self.device
         )
-        self.constants = DeviceConstants(self.device)
+        self.constants = target_runner.req_to_token_pool.constants  # one cache of device constants per table
         # The sub-forwards that run as one program (its graph, or its forwards eagerly).
         self.programs = {SubForward.TARGET_VERIFY: self.sizes.verify_program()}
         if self.draft_loop is not None:

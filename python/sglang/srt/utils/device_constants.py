@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -11,22 +13,20 @@ class DeviceConstants:
         self.device = device
         self._cache: dict[tuple, torch.Tensor] = {}
 
-    def full(self, shape: tuple[int, ...], value: int) -> torch.Tensor:
-        """int64 `shape` filled with value."""
-        key = ("full", shape, value)
+    def _get(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         if key not in self._cache:
-            self._cache[key] = torch.full(shape, value, dtype=torch.int64, device=self.device)
+            self._cache[key] = make()
         return self._cache[key]
 
+    def full(self, shape: tuple[int, ...], value: int) -> torch.Tensor:
+        """int64 `shape` filled with value."""
+        return self._get(("full", shape, value), lambda: torch.full(shape, value, dtype=torch.int64, device=self.device))
+
     def arange(self, n: int) -> torch.Tensor:
-        key = ("arange", n)
-        if key not in self._cache:
-            self._cache[key] = torch.arange(n, device=self.device)
-        return self._cache[key]
+        return self._get(("arange", n), lambda: torch.arange(n, device=self.device))
 
     def tiled_eye(self, repeats: int, k: int) -> torch.Tensor:
         """bool [repeats * k, k]: the k x k identity, `repeats` times."""
-        key = ("tiled_eye", repeats, k)
-        if key not in self._cache:
-            self._cache[key] = torch.eye(k, dtype=torch.bool, device=self.device).repeat(repeats, 1)
-        return self._cache[key]
+        return self._get(
+            ("tiled_eye", repeats, k), lambda: torch.eye(k, dtype=torch.bool, device=self.device).repeat(repeats, 1)
+        )
