@@ -16,6 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from sglang.srt.entrypoints.http_server import create_app
+from sglang.srt.entrypoints.openai.serving_base import sse_response
 from sglang.srt.managers.detokenizer_manager import IncrementalDetokenizer, trim_matched_stop
 from sglang.srt.managers.io_struct import SchedulerReady
 from sglang.srt.managers.tokenizer_manager import GenerateReqInput, TokenizerManager, hold_back_partial_stop
@@ -348,6 +349,37 @@ def test_abort_on_disconnect_and_on_closed_stream():
         assert len(fake.received) == 2
         assert fake.aborted == [r.rid for r in fake.received]
         assert tm.rid_to_state == {}
+
+
+def test_stream_body_closed_when_the_client_goes_away():
+    """Starlette cancels the send of a gone client's stream and leaves the body at a yield;
+    the response must close it at once (that is what aborts the request), not at GC."""
+    closed = asyncio.Event()
+    first_sent = asyncio.Event()
+
+    async def chunks():
+        try:
+            for i in range(1000):
+                yield {"i": i}
+                await asyncio.sleep(0.01)
+        finally:
+            closed.set()
+
+    async def receive():
+        await first_sent.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message.get("body"):
+            first_sent.set()
+            await asyncio.sleep(3600)  # the client stopped reading: the send never completes
+
+    async def scenario():
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "path": "/", "headers": []}
+        await asyncio.wait_for(sse_response(chunks())(scope, receive, send), 10)
+        assert closed.is_set()
+
+    asyncio.run(scenario())
 
 
 def test_dead_backend_fails_requests_with_503():

@@ -21,6 +21,18 @@ def sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+class ClosingStreamingResponse(StreamingResponse):
+    """Closes its body however the response ends. When the client goes away Starlette
+    cancels the send and leaves the body suspended at a yield; only closing it aborts the
+    request at once (left to garbage collection, the request would run to its end)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     """Stream `chunks` as server-sent events ending with [DONE]; an error after the
     stream started is sent as one error event."""
@@ -34,7 +46,7 @@ def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
             yield sse(error_body(str(e), e.status_code))
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream")
+    return ClosingStreamingResponse(body(), media_type="text/event-stream")
 
 
 async def start_stream(outputs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
