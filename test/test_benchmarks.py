@@ -15,6 +15,8 @@ import csv
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -197,6 +199,21 @@ def test_bench_serving_file_prompts_at_a_request_rate(server, trained, tmp_path)
     )
     m = bench_serving.run_benchmark(args)
     assert m["completed"] == 3 and m["total_output_tokens"] == 3 + 2 + 3 and m["total_input_tokens"] > 3
+
+
+def test_serving_pipeline_benchmark_streams_every_token(trained, tmp_path):
+    """The HTTP server and detokenizer over the paced scheduler stand-in: every request gets
+    its tokens, and the figures are measured (CPU time per token of both processes)."""
+    result_file = tmp_path / "pipeline.jsonl"
+    cmd = [sys.executable, os.path.join(REPO, "benchmark/bench_serving_pipeline.py"), "--model-path", trained["llama"],
+           "--step-ms", "2", "--concurrency", "1", "3", "--num-prompts", "6", "--input-len", "8", "--output-len", "6",
+           "--result-file", str(result_file)]
+    subprocess.run(cmd, check=True, timeout=300, capture_output=True)
+    rows = [json.loads(line) for line in result_file.read_text().splitlines()]
+    assert [(r["concurrency"], r["completed"], r["num_prompts"]) for r in rows] == [(1, 1, 1), (3, 6, 6)]
+    for r in rows:
+        assert 0 < r["output_tok_s"] <= 1.2 * r["ideal_tok_s"] and r["mean_ttft_ms"] > 0
+        assert r["http_cpu_us_per_token"] > 0 and r["detokenizer_cpu_us_per_token"] > 0
 
 
 # ---------------------------------------------------------------------------- others

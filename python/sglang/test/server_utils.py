@@ -44,11 +44,13 @@ def popen_launch_server(
     extra_args: Sequence[str] = (),
     timeout: float = 300.0,
     api_key: Optional[str] = None,
+    launcher: Sequence[str] = ("-m", "sglang.launch_server"),
 ) -> ServerProcess:
-    """Start a server on a free port and wait until /health answers 200.
+    """Start a server on a free port and wait until /health answers 200. `launcher`: the
+    interpreter's arguments before the server flags (another entry point that takes them).
     Raises RuntimeError (with the server's log tail) if it exits or times out first."""
     port = find_free_port()
-    args = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--port", str(port), *extra_args]
+    args = [sys.executable, *launcher, "--model-path", model_path, "--port", str(port), *extra_args]
     if api_key:
         args += ["--api-key", api_key]
     env = dict(os.environ)

@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 # A send to the scheduler waits at most this long for a connected peer (then the request fails).
 _SEND_TIMEOUT_MS = 5000
 
-# How often a waiting non-streaming request checks whether its HTTP client went away.
+# How often a request with nothing sent yet checks whether its HTTP client went away.
 _DISCONNECT_POLL_S = 0.25
 _CONTROL_TIMEOUT_S = 60.0
 
@@ -310,21 +310,14 @@ class TokenizerManager:
         if not self._send_to_scheduler(req):
             state.error = "The scheduler is not reachable"
             state.event.set()
-        next_check = time.monotonic() + _DISCONNECT_POLL_S
+        streaming = False  # set once a chunk went out: then a gone client cancels or closes the stream
         try:
             while True:
-                try:
-                    await asyncio.wait_for(state.event.wait(), _DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    pass
-                # Checked while outputs keep coming too: a fast stream must not outrun its abort.
-                if request is not None and time.monotonic() >= next_check:
-                    next_check = time.monotonic() + _DISCONNECT_POLL_S
-                    if await request.is_disconnected():
-                        logger.info("Client of request %s disconnected; aborting it", req.rid)
-                        return
-                if not state.event.is_set():
-                    continue
+                if request is None or streaming:
+                    await state.event.wait()
+                elif not await self._wait_or_gone(state, request):
+                    logger.info("Client of request %s disconnected; aborting it", req.rid)
+                    return
                 state.event.clear()
                 if state.error is not None:
                     raise RequestError(state.error, 503)
@@ -342,11 +335,25 @@ class TokenizerManager:
                     yield state.snapshot()
                     return
                 if state.stream:
+                    streaming = True
                     yield state.snapshot()
         finally:
             if not state.finished:
                 self.abort_request(req.rid)
             self.rid_to_state.pop(req.rid, None)
+
+    @staticmethod
+    async def _wait_or_gone(state: ReqState, request) -> bool:
+        """Wait for the request's next output, checking every _DISCONNECT_POLL_S whether its
+        HTTP client went away (False then). Until a first chunk is sent nothing would fail on
+        a closed connection, so this polling is how a queued or non-streamed request notices."""
+        while True:
+            try:
+                await asyncio.wait_for(state.event.wait(), _DISCONNECT_POLL_S)
+                return True
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return False
 
     def _send_to_scheduler(self, msg) -> bool:
         """Bounded: a PUSH socket whose peer has died would otherwise block the event loop forever."""
@@ -454,7 +461,8 @@ class TokenizerManager:
                 self.metrics.on_output(state, meta)
             state.meta = meta
             state.finished = finished_reason is not None
-            state.event.set()
+            if state.stream or state.finished:  # a non-streaming consumer wants the end alone
+                state.event.set()
 
     def _logprob_triples(self, pairs: list[tuple[float, int]], state: ReqState) -> list[tuple[float, int, Optional[str]]]:
         """SGLang's (logprob, token_id, token_text or None) triples."""

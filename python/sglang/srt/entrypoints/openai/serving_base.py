@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 from typing import Any, AsyncIterator, Optional
 
+import orjson
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from sglang.srt.entrypoints.openai.protocol import UsageInfo, error_body
@@ -17,8 +17,10 @@ def error_response(message: str, status_code: int = 400, err_type: Optional[str]
     return JSONResponse(error_body(message, status_code, err_type), status_code=status_code)
 
 
-def sse(payload: Any) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def sse(payload: Any) -> bytes:
+    """One server-sent event. orjson: the encoding is a large share of the HTTP process's
+    time per streamed token (the /generate chunks repeat the output so far)."""
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -37,14 +39,14 @@ def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     """Stream `chunks` as server-sent events ending with [DONE]; an error after the
     stream started is sent as one error event."""
 
-    async def body() -> AsyncIterator[str]:
+    async def body() -> AsyncIterator[bytes]:
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     yield sse(chunk)
         except RequestError as e:
             yield sse(error_body(str(e), e.status_code))
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
     return ClosingStreamingResponse(body(), media_type="text/event-stream")
 
