@@ -49,9 +49,10 @@ EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
 
 # Model shapes: "small" for the GPU figures, "tiny" for CPU tests.
 DEEPSEEK_SHAPES = {
-    # ~6M parameters with the MTP layer: its bf16 checkpoint is under 16 MB.
+    # 12 layers for one MTP layer: a draft step must cost a small part of a target step, as in
+    # DeepSeek-V3 (61 layers); with 3, a speculative cycle costs 3 plain steps and cannot pay.
     "small": dict(
-        hidden_size=256, intermediate_size=768, moe_intermediate_size=192, num_hidden_layers=3,
+        hidden_size=256, intermediate_size=768, moe_intermediate_size=192, num_hidden_layers=12,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64,
         qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8, n_shared_experts=1,
         num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
