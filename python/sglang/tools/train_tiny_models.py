@@ -179,6 +179,23 @@ def deepseek_config(tokenizer: PreTrainedTokenizerFast, shape: str, seq_len: int
     )
 
 
+def experts_implementation(device: str) -> str:
+    """transformers' grouped_mm MoE (one grouped GEMM per projection) where this transformers
+    has it and it trains on `device`; else its eager loop, which syncs with the device once per
+    expert and layer (most of a training step of the small model on a GPU)."""
+    probe = DeepseekV3Config(**DEEPSEEK_SHAPES["tiny"], vocab_size=64)
+    probe._experts_implementation = "grouped_mm"
+    try:
+        model = DeepseekV3ForCausalLM(probe).to(device)
+        ids = torch.randint(0, 64, (2, 8), device=device)
+        with autocast(device):
+            model(input_ids=ids, labels=ids).loss.backward()
+    except Exception as e:  # a capability probe: an older transformers, or no grouped GEMM here
+        print(f"[deepseek] experts: transformers' eager loop ({type(e).__name__}: {e})", flush=True)
+        return "eager"
+    return "grouped_mm"
+
+
 def train_deepseek(args: argparse.Namespace, train_texts: list[str], heldout_texts: list[str]) -> str:
     out_dir = os.path.join(args.out, "deepseek-v3-mtp")
     os.makedirs(out_dir, exist_ok=True)
@@ -186,6 +203,7 @@ def train_deepseek(args: argparse.Namespace, train_texts: list[str], heldout_tex
     stream, heldout = token_stream(tokenizer, train_texts), token_stream(tokenizer, heldout_texts)
     print(f"[deepseek] vocab {len(tokenizer)}, {len(stream)} training tokens, {len(heldout)} held out", flush=True)
     config = deepseek_config(tokenizer, args.shape, args.seq_len)
+    config._experts_implementation = experts_implementation(args.device)  # the MTP head's copy too
     torch.manual_seed(args.seed)
     model = DeepseekV3ForCausalLM(config).to(args.device).train()
     head = MTPHead(config)
