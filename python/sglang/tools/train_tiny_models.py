@@ -181,8 +181,8 @@ def deepseek_config(tokenizer: PreTrainedTokenizerFast, shape: str, seq_len: int
 
 def experts_implementation(device: str) -> str:
     """transformers' grouped_mm MoE (one grouped GEMM per projection) where this transformers
-    has it and it trains on `device`; else its eager loop, which syncs with the device once per
-    expert and layer (most of a training step of the small model on a GPU)."""
+    has it and it trains on `device`; else its eager loop, which waits for the device once per
+    expert and layer."""
     probe = DeepseekV3Config(**DEEPSEEK_SHAPES["tiny"], vocab_size=64)
     probe._experts_implementation = "grouped_mm"
     try:
