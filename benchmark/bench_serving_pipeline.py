@@ -108,8 +108,10 @@ def _step(running: dict) -> Any:
             del running[rid]
     n = len(rids)
     return BatchTokenIDOut(
-        rids, new_ids, offsets, finished, prompt, completion, [0] * n, [True] * n, [True] * n, [False] * n,
-        [None] * n, [None] * n, [0] * n,
+        rids=rids, output_ids=new_ids, output_offsets=offsets, finished_reasons=finished, prompt_tokens=prompt,
+        completion_tokens=completion, cached_tokens=[0] * n, skip_special_tokens=[True] * n,
+        spaces_between_special_tokens=[True] * n, no_stop_trim=[False] * n, output_token_logprobs=[None] * n,
+        output_top_logprobs=[None] * n, spec_verify_ct=[0] * n,
     )
 
 
