@@ -94,5 +94,5 @@ class OpenAIServingBase:
             raise RequestError(f"The model {model!r} does not exist; this server serves {self.tm.server_args.served_model_name!r}", 404)
 
     def generate(self, obj: GenerateReqInput, raw_request) -> AsyncIterator[Any]:
-        # Streaming responses notice a gone client through cancellation, not polling.
+        # raw_request is polled until a first chunk goes out; then a gone client cancels the stream.
         return self.tm.generate_request(obj, raw_request)
