@@ -30,3 +30,15 @@ def test_float_and_empty_uploads():
     assert nothing.shape == (0,) and nothing.dtype == torch.int64
     negative, big = upload([[-1], [2**62]], "cpu")
     assert negative.tolist() == [-1] and big.tolist() == [2**62]
+
+
+def test_every_view_starts_on_a_16_byte_boundary():
+    """Triton compiles a kernel variant per pointer alignment: views must not inherit the
+    batch's sizes as offsets."""
+    for dtype in (torch.int64, torch.float32):
+        for sizes in ([1, 3, 2], [5, 1, 1, 7], [0, 1, 0, 2]):
+            values = [list(range(n)) for n in sizes[:-1]]
+            views = upload(values, "cpu", dtype, tensors=[torch.arange(sizes[-1], dtype=dtype)])
+            assert [v.tolist() for v in views] == [torch.arange(n, dtype=dtype).tolist() for n in sizes]
+            assert all(v.data_ptr() % 16 == 0 for v in views), (dtype, sizes)
+            assert _one_buffer(views)

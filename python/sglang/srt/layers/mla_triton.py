@@ -80,7 +80,7 @@ def mla_rope_pack_triton(
     return k_out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _head_matmul_kernel(
     a_ptr, b_ptr, c_ptr, num_tokens, K, N,
     stride_at, stride_ah, stride_ak, stride_bh, stride_bk, stride_bn, stride_ct, stride_ch, stride_cn,

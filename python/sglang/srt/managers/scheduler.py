@@ -44,6 +44,7 @@ from sglang.srt.mem_cache.req_kv import ReqKVManager
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer, resolve_model_path
+from sglang.srt.utils.triton_compile_log import TritonCompileLog
 from sglang.srt.utils.zmq_utils import shared_context
 
 logger = logging.getLogger(__name__)
@@ -607,6 +608,8 @@ def run_scheduler_process(
 
     watch_parent()
     torch.manual_seed(server_args.random_seed)
+    compile_log = TritonCompileLog()
+    compile_log.install()
     try:
         scheduler = Scheduler(server_args, port_args, gpu_id, tp_rank, dp_rank)
     except Exception as e:  # report the cause to the launcher instead of dying silently
@@ -622,6 +625,7 @@ def run_scheduler_process(
             scheduler.context_len,
         )
     )
+    compile_log.start_serving()
     scheduler.start_watchdog()
     try:
         scheduler.event_loop()

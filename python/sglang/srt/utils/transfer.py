@@ -30,6 +30,7 @@ def to_device(host: torch.Tensor, device: str | torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+_ALIGN_BYTES = 16
 _ARRAY_TYPECODES = {torch.int64: "q", torch.float32: "f"}
 
 
@@ -48,12 +49,22 @@ def upload(
     tensors: Sequence[torch.Tensor] = (),
 ) -> list[torch.Tensor]:
     """One device tensor per host list, then per 1-D host tensor of `tensors` (of `dtype`),
-    all through a single copy (views of one buffer)."""
-    flat = list(itertools.chain.from_iterable(values))
+    all through a single copy (views of one buffer, each starting on a 16-byte boundary:
+    Triton specializes a kernel on whether a pointer is 16-byte aligned, and views at
+    offsets that follow the batch's sizes would compile new kernel variants while serving)."""
+    step = _ALIGN_BYTES // dtype.itemsize
     sizes = [len(v) for v in values] + [t.shape[0] for t in tensors]
-    host = torch.empty(sum(sizes), dtype=dtype, pin_memory=_is_cuda(device))
-    torch.cat([_host_tensor(flat, dtype), *tensors], out=host)
-    return list(to_device(host, device).split_with_sizes(sizes))
+    pads = [-n % step for n in sizes]
+    flat: list = []
+    for v, pad in zip(values, pads):
+        flat.extend(v)
+        flat.extend(itertools.repeat(0, pad))
+    padded_tensors = [torch.cat([t, t.new_zeros(pad)]) if pad else t for t, pad in zip(tensors, pads[len(values):])]
+    host = torch.empty(len(flat) + sum(t.shape[0] for t in padded_tensors), dtype=dtype, pin_memory=_is_cuda(device))
+    torch.cat([_host_tensor(flat, dtype), *padded_tensors], out=host)
+    dev = to_device(host, device)
+    starts = itertools.accumulate((n + pad for n, pad in zip(sizes, pads)), initial=0)
+    return [dev.narrow(0, start, n) for start, n in zip(starts, sizes)]
 
 
 class HostCopy:

@@ -19,9 +19,16 @@ from sglang.srt.layers.moe.fused_moe_gemv import moe_gemv
 from sglang.srt.layers.moe.kernel_config import GemmTile, MoeKernelConfig, kernel_config
 
 
-# One program aligns up to this many (token, slot) pairs in registers (every decode batch);
-# larger batches (prefill) take the plain-PyTorch path, which has no host syncs either.
-MAX_PAIRS_ONE_PROGRAM = 4096
+# One program aligns up to this many (token, slot) pairs in registers (decode batches up to
+# 128 tokens at top-8); larger batches take the plain-PyTorch path, which has no host syncs
+# either. Its kernel variants (one per power of two of the pairs, see align_by_expert) compile
+# in seconds each for thousands of pairs, and a batch that meets a new one waits for it.
+MAX_PAIRS_ONE_PROGRAM = 1024
+
+
+def _max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    # Blocks used <= ceil(pairs / block_m) + (number of non-empty experts).
+    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,20 +38,22 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     padding) and block_expert [max_blocks] (expert of each block; num_experts when unused).
     """
     num_pairs = topk_ids.numel()
-    # Blocks used <= ceil(pairs / block_m) + (number of non-empty experts).
-    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    max_blocks = _max_blocks(num_pairs, num_experts, block_m)
     if num_pairs > MAX_PAIRS_ONE_PROGRAM:
         return _align_by_expert_torch(topk_ids.flatten(), num_experts, block_m, max_blocks)
     device = topk_ids.device
+    # Every block size follows from block_p alone (the bound for block_p pairs), so that the
+    # batches of one power of two share a compiled variant.
     block_p = triton.next_power_of_2(num_pairs)
-    block_pad = triton.next_power_of_2(max_blocks * block_m)
+    bound = _max_blocks(block_p, num_experts, block_m)
+    block_pad = triton.next_power_of_2(bound * block_m)
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int64, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
     scratch = torch.empty(block_p, dtype=torch.int64, device=device)
     _align_kernel[(1,)](
         topk_ids.flatten(), scratch, sorted_pairs, block_expert, num_pairs, max_blocks,
         NUM_EXPERTS=num_experts, BLOCK_P=block_p, BLOCK_M=block_m,
-        BLOCK_PAD=block_pad, BLOCK_B=triton.next_power_of_2(max_blocks),
+        BLOCK_PAD=block_pad, BLOCK_B=triton.next_power_of_2(bound),
         num_warps=min(8, max(1, block_pad // 256)),  # decode at batch 1: 128 slots, one warp, no cross-warp syncs
     )
     return sorted_pairs, block_expert
@@ -74,7 +83,7 @@ def _maximum(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])  # batch-sized: one variant for many
 def _align_kernel(
     topk_ids, scratch, sorted_pairs, block_expert, num_pairs, max_blocks,
     NUM_EXPERTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -108,7 +117,7 @@ def _align_kernel(
     tl.store(block_expert + b, tl.where(used, block_exp, NUM_EXPERTS).to(tl.int32), mask=b < max_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
     A, W, C, sorted_pairs, block_expert, topk_weights,
     num_pairs, N, K,

@@ -33,7 +33,7 @@ ROUTER_GEMV_MAX_TOKENS = 16
 _ROUTER_TILE = 4096  # float32 products one program keeps in registers per step
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _router_logits_kernel(
     x_ptr, w_ptr, out_ptr, num_tokens, hidden, x_stride, w_stride, out_stride,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
