@@ -56,7 +56,7 @@ class ServerArgs:
     schedule_policy: str = field(default="fcfs", metadata=_arg("Request ordering for prefill.", choices=("fcfs", "lpm")))
     disable_radix_cache: bool = field(default=False, metadata=_arg("Turn prefix caching off."))
     page_size: int = field(default=1, metadata=_arg("Tokens per KV page."))
-    disable_overlap_schedule: bool = field(default=False, metadata=_arg("Wait for each step's tokens before scheduling the next one (by default the next step is scheduled while the device runs this one; speculative decoding always waits)."))
+    disable_overlap_schedule: bool = field(default=False, metadata=_arg("Wait for each step's tokens before scheduling the next one (by default the next step, or speculative cycle, is scheduled while the device runs this one)."))
     watchdog_timeout: float = field(default=300, metadata=_arg("Seconds a scheduler may be stuck in one step before the server exits."))
 
     # Kernels and CUDA graphs
