@@ -23,7 +23,7 @@ import torch
 from sglang.srt.model_executor.cuda_graph_runner import PAD_KV_SLOT, ForwardFn
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.speculative.eagle_utils import build_draft_tree, select_step_inputs
-from sglang.srt.speculative.spec_info import SpecInput
+from sglang.srt.speculative.spec_info import SpecInput, top_guesses
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class DraftLoop:
         step = fb
         for t in range(self.steps - 1):
             out = forward(step)
-            child_p, child_tok = torch.topk(torch.softmax(out.next_token_logits, dim=-1), k, dim=-1)
+            child_p, child_tok = top_guesses(out.next_token_logits, k)
             child_scores = (scores.view(bs, k, 1) * child_p.view(bs, k, k)).flatten(1)
             child_tok = child_tok.view(bs, k * k)
             cand_scores.append(child_scores)

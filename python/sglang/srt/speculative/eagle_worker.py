@@ -51,7 +51,7 @@ from sglang.srt.speculative.eagle_utils import (
     verify_outcome,
     walk_tree,
 )
-from sglang.srt.speculative.spec_info import RequestStates, SpecInput
+from sglang.srt.speculative.spec_info import RequestStates, SpecInput, top_guesses
 from sglang.srt.speculative.spec_plan import SpecIterationPlan, SpecSizes, SubForward
 from sglang.srt.speculative.verify_program import VerifyProgram
 from sglang.srt.utils.device_constants import DeviceConstants
@@ -196,7 +196,10 @@ class EAGLEWorker:
         )
         self.constants = target_runner.req_to_token_pool.constants  # one cache of device constants per table
         # The sub-forwards that run as one program (its graph, or its forwards eagerly).
-        self.programs = {SubForward.TARGET_VERIFY: self.sizes.verify_program()}
+        self.programs = {
+            SubForward.TARGET_VERIFY: self.sizes.verify_program(),
+            SubForward.DRAFT_EXTEND: self.sizes.draft_extend_program(),
+        }
         if self.draft_loop is not None:
             self.programs[SubForward.DRAFT_LOOP] = self.draft_loop
         # Sub-forwards of the latest iteration: (kind, rows of every DP rank, local rows).
@@ -282,7 +285,7 @@ class EAGLEWorker:
                 extend_seq_lens=empty,
                 custom_mask=torch.zeros((0, tree_cols), dtype=torch.bool, device=self.device) if tree_cols else None,
                 spec_info=None if target else SpecInput(hidden, scores if loop else None),
-                # The programs read it (the loop feeds it on, the verify hands it to the draft extend).
+                # The programs return it (the loop feeds it on, the verify hands it on, the draft extend keeps it).
                 capture_hidden_mode=CaptureHiddenMode.FULL if kind in self.programs else CaptureHiddenMode.NULL,
             )
             self._forward(runner, fb, kind, it)
@@ -317,7 +320,7 @@ class EAGLEWorker:
             logits, hidden = draft_out.next_token_logits, draft_out.hidden_states
             if len(ready) < logits.shape[0]:  # else the rows are all rows, in order
                 logits, hidden = logits[out_rows], hidden[out_rows]
-            self.states.store_draft(req_rows, logits, hidden)
+            self.states.store_draft(req_rows, *top_guesses(logits, self.topk), hidden)
         return result
 
     # ------------------------------------------------------------------ decode cycle
@@ -473,8 +476,7 @@ class EAGLEWorker:
             logits_indices=outcome.extend_logits_rows,
             spec_info=SpecInput(outcome.extend_hidden),
         )
-        out = self._forward(self.draft_runner, fb, SubForward.DRAFT_EXTEND, it)
-        self.states.store_draft(cycle.rows, out.next_token_logits, out.hidden_states)
+        self.states.store_draft(cycle.rows, *self._forward(self.draft_runner, fb, SubForward.DRAFT_EXTEND, it))
 
     def _result(self, reqs: list[Req], slots: torch.Tensor, reads: tuple[torch.Tensor, ...]) -> GenerationResult:
         """The cycle's tokens per request from what it read (host tensors); frees the nodes not

@@ -8,6 +8,16 @@ from typing import Optional
 import torch
 
 
+def top_guesses(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's topk most likely next tokens [rows, topk] and their probabilities, from its
+    logits [rows, vocab]. One guess is a max (one reduction; torch.topk is a radix select of a
+    dozen kernels on CUDA)."""
+    probs = torch.softmax(logits, dim=-1)
+    if topk == 1:
+        return probs.max(dim=-1, keepdim=True)
+    return torch.topk(probs, topk, dim=-1)
+
+
 @dataclass
 class SpecInput:
     """ForwardBatch.spec_info of a draft forward.
@@ -38,9 +48,8 @@ class RequestStates:
         self.tokens = torch.zeros((rows, topk), dtype=torch.int64, device=device)
         self.hidden = torch.zeros((rows, hidden_size), dtype=dtype, device=device)
 
-    def store_draft(self, rows: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor) -> None:
-        """The draft's logits [len(rows), vocab] and hidden states at each row's last position."""
-        probs, tokens = torch.topk(torch.softmax(logits, dim=-1), self.probs.shape[1], dim=-1)
+    def store_draft(self, rows: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The draft's guesses (top_guesses) and hidden states at each row's last position."""
         self.probs.index_copy_(0, rows, probs)
         self.tokens.index_copy_(0, rows, tokens)
         self.hidden.index_copy_(0, rows, hidden.to(self.hidden.dtype))

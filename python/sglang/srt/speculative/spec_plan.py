@@ -23,6 +23,7 @@ from typing import Optional
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
 from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, GraphProgram
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.speculative.draft_extend_program import DraftExtendProgram
 from sglang.srt.speculative.verify_program import VerifyProgram
 
 
@@ -75,7 +76,7 @@ class SpecSizes:
         modes = {
             ForwardMode.DRAFT_EXTEND: CapturedMode(
                 self.draft_extend_rows, capture_hidden=CaptureHiddenMode.LAST, draft_input=True, logits_at_rows=True,
-                outputs_as_views=True,
+                program=self.draft_extend_program(), outputs_as_views=True,
             )
         }
         if self.steps > 1:
@@ -88,6 +89,9 @@ class SpecSizes:
 
     def verify_program(self) -> VerifyProgram:
         return VerifyProgram(self.num_draft_tokens, self.draft_extend_rows)
+
+    def draft_extend_program(self) -> DraftExtendProgram:
+        return DraftExtendProgram(self.topk)
 
 
 @dataclass(frozen=True)

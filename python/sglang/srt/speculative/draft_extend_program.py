@@ -1,0 +1,24 @@
+"""The draft extend after verify and the draft's next guesses as one unit: run eagerly, or
+captured as one CUDA graph (so the guesses' softmax and top-k cost no host launches)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang.srt.model_executor.cuda_graph_runner import ForwardFn
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.speculative.spec_info import top_guesses
+
+
+@dataclass(frozen=True)
+class DraftExtendProgram:
+    topk: int
+
+    def __call__(self, fb: ForwardBatch, forward: ForwardFn) -> tuple[torch.Tensor, ...]:
+        """Returns (probs [bs, topk], tokens [bs, topk], hidden [bs, hidden]) at each request's
+        last real row (the batch's logits rows)."""
+        out = forward(fb)
+        probs, tokens = top_guesses(out.next_token_logits, self.topk)
+        return probs, tokens, out.hidden_states
