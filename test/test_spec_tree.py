@@ -1,5 +1,5 @@
 """The device-side verify tree and greedy acceptance against plain-Python references, and the
-verify program's greedy outcome against the eager path's."""
+verify program's greedy outcome against the eager path's, and the draft's guesses."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from sglang.srt.speculative.eagle_utils import (
     verify_outcome,
     walk_tree,
 )
+from sglang.srt.speculative.draft_extend_program import DraftExtendProgram
+from sglang.srt.speculative.spec_info import top_guesses
 from sglang.srt.speculative.verify_program import VerifyProgram
 
 
@@ -159,3 +161,22 @@ def test_verify_program_outcome_matches_the_eager_path(steps, topk, n):
     assert torch.equal(got.cursors[:bs], want.cursors)
     assert torch.equal(got.host_reads[:bs], want.host_reads)
     assert int(got.acceptance.nodes.max()) < n and int(got.acceptance.accept_len.max()) < width
+
+
+@pytest.mark.parametrize("topk", [1, 2, 4])
+def test_top_guesses_are_the_top_k_of_the_softmax(topk):
+    """One guess takes a max instead of torch.topk: the same token and probability."""
+    logits = torch.randn(5, 97, generator=torch.Generator().manual_seed(topk)) * 4
+    probs, tokens = top_guesses(logits, topk)
+    ref_probs, ref_tokens = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
+    assert probs.shape == tokens.shape == (5, topk) and tokens.dtype == torch.int64
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(probs, ref_probs)
+
+
+def test_draft_extend_program_returns_the_guesses_and_hidden_states():
+    logits, hidden = torch.randn(3, 11), torch.randn(3, 8)
+    out = DraftExtendProgram(2)(None, lambda fb: LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden))
+    ref_probs, ref_tokens = torch.topk(torch.softmax(logits, dim=-1), 2, dim=-1)
+    assert torch.equal(out[1], ref_tokens) and torch.equal(out[2], hidden)
+    torch.testing.assert_close(out[0], ref_probs)
