@@ -10,6 +10,7 @@ several tensors share one wait.
 from __future__ import annotations
 
 import array
+import functools
 import itertools
 from typing import Sequence
 
@@ -42,6 +43,11 @@ def _host_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(array.array(code, values), dtype=dtype)
 
 
+@functools.cache
+def _zeros(n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(n, dtype=dtype)
+
+
 def upload(
     values: Sequence[Sequence[int | float]],
     device: str | torch.device,
@@ -59,9 +65,11 @@ def upload(
     for v, pad in zip(values, pads):
         flat.extend(v)
         flat.extend(itertools.repeat(0, pad))
-    padded_tensors = [torch.cat([t, t.new_zeros(pad)]) if pad else t for t, pad in zip(tensors, pads[len(values):])]
-    host = torch.empty(len(flat) + sum(t.shape[0] for t in padded_tensors), dtype=dtype, pin_memory=_is_cuda(device))
-    torch.cat([_host_tensor(flat, dtype), *padded_tensors], out=host)
+    parts = [_host_tensor(flat, dtype)]
+    for t, pad in zip(tensors, pads[len(values) :]):
+        parts += [t, _zeros(pad, dtype)] if pad else [t]
+    host = torch.empty(sum(sizes) + sum(pads), dtype=dtype, pin_memory=_is_cuda(device))
+    torch.cat(parts, out=host)
     dev = to_device(host, device)
     starts = itertools.accumulate((n + pad for n, pad in zip(sizes, pads)), initial=0)
     return [dev.narrow(0, start, n) for start, n in zip(starts, sizes)]
