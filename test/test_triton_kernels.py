@@ -123,6 +123,14 @@ def test_verify_tree_mask_matches_torch_native(shape, dtype):
 
 
 @kernel_test
+@pytest.mark.parametrize("shape", ATTN_SHAPES[:4])
+def test_tree_rows_across_tiles_match_torch_native(shape):
+    """Query heads packed into the tile rows: a tree of 13 tokens (13 x group rows) spans
+    several tiles, which split its tokens' heads between them."""
+    _compare(shape, [13, 2], [5, 70], DTYPES[0], tree=True, seed=3)
+
+
+@kernel_test
 @pytest.mark.parametrize("shape", [ATTN_SHAPES[1], ATTN_SHAPES[3]])
 def test_zero_row_batch(shape):
     fb, q, k, v = make_attention_batch(shape, [], [], DTYPES[0], DEVICE)

@@ -1,6 +1,7 @@
 """Paged prefill/extend attention: new query tokens over cached prefix + themselves.
 
-One program per (request, query head, block of BLOCK_M new tokens). New tokens' K/V are
+One program per (request, query head, block of BLOCK_M new tokens); under a tree mask, per
+(request, KV head, block): the KV head's query heads share the tile's rows. New tokens' K/V are
 already in the pool (the backend saves them first), so every key is read through the
 flattened slot index. Visibility is causal (query row r of a request with prefix p sees
 columns 0..p+r), or, with a custom mask of `tree_cols` columns per query row, every column
@@ -27,12 +28,14 @@ def _extend_kernel(
     GROUP: tl.constexpr,
     LK: tl.constexpr, LV: tl.constexpr, D_MAIN: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_MASK: tl.constexpr, PACK: tl.constexpr,
 ):
+    # PACK query heads of one KV head share a program: tile row g holds token g // PACK of
+    # head first_head + g % PACK, so short queries (trees) fill the tile and read K/V once.
     b = tl.program_id(0)
-    head = tl.program_id(1)
+    first_head = tl.program_id(1) * PACK
     m_block = tl.program_id(2)
-    kv_head = head // GROUP
+    kv_head = first_head // GROUP
 
     q_start = tl.load(qo_indptr + b)
     q_len = tl.load(qo_indptr + b + 1) - q_start
@@ -40,21 +43,23 @@ def _extend_kernel(
     kv_len = tl.load(kv_indptr + b + 1) - kv_start
     prefix = kv_len - q_len
 
-    if m_block * BLOCK_M < q_len:
-        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    if m_block * BLOCK_M < q_len * PACK:
+        offs_g = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m = offs_g // PACK  # token of each tile row
+        heads = first_head + offs_g % PACK
         valid_m = offs_m < q_len
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         rows = (q_start + offs_m).to(tl.int64)
         q = tl.load(
-            Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+            Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
             mask=valid_m[:, None] & (offs_d[None, :] < D_MAIN),
             other=0.0,
         )
         if BLOCK_DPE > 0:
             offs_pe = D_MAIN + tl.arange(0, BLOCK_DPE)
             q_pe = tl.load(
-                Q + rows[:, None] * stride_qt + head * stride_qh + offs_pe[None, :],
+                Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_pe[None, :],
                 mask=valid_m[:, None] & (offs_pe[None, :] < LK),
                 other=0.0,
             )
@@ -62,8 +67,8 @@ def _extend_kernel(
             kv_end = kv_len
             mask_row = rows * tree_cols
             tree_start = kv_len - tree_cols  # columns before it are always visible
-        else:  # causal: columns past this block's last row are never visible
-            kv_end = tl.minimum(kv_len, prefix + (m_block + 1) * BLOCK_M)
+        else:  # causal: columns past this block's last token are never visible
+            kv_end = tl.minimum(kv_len, prefix + ((m_block + 1) * BLOCK_M - 1) // PACK + 1)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -111,7 +116,7 @@ def _extend_kernel(
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
-            O + rows[:, None] * stride_ot + head * stride_oh + offs_dv[None, :],
+            O + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
             out.to(O.dtype.element_ty),
             mask=valid_m[:, None] & (offs_dv[None, :] < LV),
         )
@@ -157,14 +162,21 @@ def extend_attention(
     use_mask = custom_mask is not None
     mask = custom_mask.view(torch.uint8) if use_mask else q  # placeholder pointer, never read
     tree_cols = custom_mask.shape[1] if use_mask else 0
-    _extend_kernel[(bs, num_heads, triton.cdiv(max_extend_len, block_m))](
+    group = num_heads // num_kv_heads
+    # Trees (verify, draft steps: a few tokens per request, under CUDA graphs) pack a KV head's
+    # query heads into the tile rows; other extends keep one head per program (a variant of
+    # their own, compiled once).
+    pack = group if use_mask else 1
+    if use_mask:
+        block_m = min(block_m, max(16, triton.next_power_of_2(max_extend_len * pack)))
+    _extend_kernel[(bs, num_heads // pack, triton.cdiv(max_extend_len * pack, block_m))](
         q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, mask, tree_cols,
         scaling * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads,
+        GROUP=group,
         LK=lk, LV=lv, D_MAIN=tiling.d_main,
         BLOCK_D=tiling.block_d, BLOCK_DPE=tiling.block_dpe, BLOCK_DV=tiling.block_dv,
-        BLOCK_M=block_m, BLOCK_N=block_n, USE_MASK=use_mask,
+        BLOCK_M=block_m, BLOCK_N=block_n, USE_MASK=use_mask, PACK=pack,
         num_warps=num_warps, num_stages=1,
     )
