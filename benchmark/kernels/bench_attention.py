@@ -25,6 +25,7 @@ from sglang.test.attention_batches import AttnShape, make_attention_batch
 
 LLAMA_8B = AttnShape(32, 8, 128, 128)  # Llama-3.1-8B per layer, tp 1
 DEEPSEEK_MLA = AttnShape(16, 1, 576, 512, mla=True)  # DeepSeek-V3 absorbed MLA, 16 heads per rank
+SMOLLM2 = AttnShape(9, 3, 64, 64)  # SmolLM2-135M
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,13 @@ def cases() -> list[Case]:
             Case(f"{label} prefill 1x2048", shape, [2048], [0]),
             Case(f"{label} extend 4x256 on 1024 prefix", shape, [256] * 4, [1024] * 4),
             Case(f"{label} verify 32x8 tree on 1024 ctx", shape, [8] * 32, [1016] * 32, tree=True),
+            Case(f"{label} verify 1x4 tree on 256 ctx", shape, [4], [252], tree=True),
         ]
+    # A speculative cycle of the small models at batch 1: the verify, against a decode step.
+    out += [
+        Case("smollm2 decode bs=1 ctx=256", SMOLLM2, [1], [255]),
+        Case("smollm2 verify 1x4 tree on 256 ctx", SMOLLM2, [4], [252], tree=True),
+    ]
     return out
 
 
