@@ -24,6 +24,13 @@ sub-forward's graph is a stand-in (zero logits: every draft is accepted). Flags 
 are server flags (e.g. `--disable-overlap-schedule`). The scheduler's request socket is real (nothing
 arrives on it); messages to the detokenizer are pickled as its socket would, not sent.
 
+`--count-ops` adds, per iteration, the aten operations that can launch a kernel (views left
+out) by where they run: the model's forwards, each speculative program's own work around its
+forwards (`DraftLoop`, `VerifyProgram`, `DraftExtendProgram`), and the rest (`host`). Without
+`--graph-standin` the programs run eagerly: their counts are the kernels their CUDA graphs
+hold. With it, a program's count is what its graph replay launches eagerly (static-input
+copies), and with `host` that makes the iteration's eager launches on CUDA.
+
 One JSON line per batch size; each figure is the median over --repeats runs of the mean per
 iteration, in microseconds (`best_host_us`: the smallest run's, steadier on a shared
 machine). The phase timers are included: about 7 us per iteration with the thread clock,
@@ -45,6 +52,8 @@ import time
 from collections import defaultdict
 from typing import Callable, Optional
 from unittest import mock
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,6 +100,47 @@ class PhaseTimer:
                     profiler.enable()
 
         return timed
+
+
+_VIEW_OPS = {
+    "view", "_unsafe_view", "slice", "select", "expand", "unsqueeze", "squeeze", "flatten", "unflatten",
+    "unbind", "as_strided", "alias", "t", "transpose", "permute", "reshape", "detach", "split", "split_with_sizes",
+    "narrow", "lift_fresh",
+}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts kernel-launching aten operations by the part of the iteration that issues them
+    (the innermost of: the model's forward, a program run by ModelRunner.run; else host)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: list[str] = []
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def wrap(self, runner: ModelRunner) -> None:
+        run, forward_eager = runner.run, runner.forward_eager
+
+        def labelled(label_of: Callable, fn: Callable) -> Callable:
+            def call(*args, **kwargs):
+                label = label_of(*args, **kwargs)
+                if label:
+                    self.parts.append(label)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    if label:
+                        self.parts.pop()
+
+            return call
+
+        runner.run = labelled(lambda fb, program=None: type(program).__name__ if program else None, run)
+        runner.forward_eager = labelled(lambda fb: "model", forward_eager)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in _VIEW_OPS:
+            self.counts[self.parts[-1] if self.parts else "host"] += 1
+        return func(*args, **(kwargs or {}))
 
 
 class NullGraph:
@@ -193,8 +243,25 @@ def timed_iterations(scheduler: Scheduler, timer: PhaseTimer, iterations: int) -
     return {k: v / iterations * 1e6 for k, v in row.items()}
 
 
+def count_ops(scheduler: Scheduler, iterations: int) -> dict[str, float]:
+    """Kernel-launching ops per iteration by part (OpCounter); the runners' wrappers are undone."""
+    counter = OpCounter()
+    runners = [scheduler.runner] + ([scheduler.spec_worker.draft_runner] if scheduler.spec_worker else [])
+    saved = [(r.run, r.forward_eager) for r in runners]
+    for r in runners:
+        counter.wrap(r)
+    try:
+        with counter:
+            for _ in range(iterations):
+                scheduler.run_iteration()
+    finally:
+        for r, (run, forward_eager) in zip(runners, saved):
+            r.run, r.forward_eager = run, forward_eager
+    return {part: round(n / iterations, 1) for part, n in sorted(counter.counts.items())}
+
+
 def bench(scheduler: Scheduler, timer: PhaseTimer, args: argparse.Namespace, batch_size: int) -> dict:
-    steps = args.warmup + args.repeats * args.iterations + 8
+    steps = args.warmup + (args.repeats + args.count_ops) * args.iterations + 8
     max_new = steps * scheduler.worker.max_tokens_per_step()  # a speculative cycle emits several
     need = batch_size * (args.input_len + max_new)
     if need > scheduler.allocator.size:  # else requests are retracted while timed
@@ -211,6 +278,7 @@ def bench(scheduler: Scheduler, timer: PhaseTimer, args: argparse.Namespace, bat
         if profiler:
             profiler.disable()
     timer.profiler = None
+    ops = count_ops(scheduler, args.iterations) if args.count_ops else None
     drain(scheduler)
     if profiler:
         print(f"---- cProfile without the forward, batch size {batch_size}, by own time", file=sys.stderr)
@@ -218,6 +286,8 @@ def bench(scheduler: Scheduler, timer: PhaseTimer, args: argparse.Namespace, bat
     row = {"batch_size": batch_size, "iterations": args.iterations, "repeats": args.repeats}
     row.update({k: round(statistics.median(r[k] for r in runs), 1) for k in runs[0]})
     row["best_host_us"] = round(min(r["host_us"] for r in runs), 1)
+    if ops is not None:
+        row["ops_per_iter"] = ops
     return row
 
 
@@ -240,6 +310,7 @@ def main() -> None:
     parser.add_argument("--stream", action="store_true", help="streaming requests (every step is sent)")
     parser.add_argument("--profile", type=int, default=0, help="print this many cProfile rows (stderr)")
     parser.add_argument("--graph-standin", action="store_true", help="CPU: the CUDA-graph path, graphs that do nothing")
+    parser.add_argument("--count-ops", action="store_true", help="kernel-launching ops per iteration, by part")
     parser.add_argument(
         "--clock", choices=["wall", "thread"], default=None,
         help="wall: perf_counter; thread: this thread's CPU time, blind to other processes on a busy machine "
@@ -263,7 +334,7 @@ def main() -> None:
     running = max(args.batch_sizes)
     server_args = prepare_server_args(["--model-path", model_path, *extra, *engine_argv])
     per_step = server_args.speculative_num_draft_tokens if server_args.speculative_algorithm else 1
-    tokens = running * (args.input_len + (args.warmup + args.repeats * args.iterations + 16) * per_step)
+    tokens = running * (args.input_len + (args.warmup + (args.repeats + args.count_ops) * args.iterations + 16) * per_step)
     extra += ["--max-running-requests", str(running), "--max-total-tokens", str(tokens)]
     server_args = prepare_server_args(["--model-path", model_path, *extra, *engine_argv])
     clock = args.clock or ("thread" if server_args.device == "cpu" else "wall")

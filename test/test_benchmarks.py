@@ -240,3 +240,18 @@ def test_spec_sweep_table():
     assert lines[2] == "| - | - | - | 1 | - | 100.0 | 10.00 | 1.00x |"
     assert lines[4] == "| 3 | 1 | 4 | 1 | 2.50 | 180.0 | 5.50 | 1.80x |"
     assert lines[5] == "| 3 | 1 | 4 | 32 | 2.50 | 1350.0 | 20.00 | 1.50x |"
+
+
+def test_host_overhead_counts_ops_by_part():
+    """--count-ops: a NEXTN cycle's ops fall to the model, each program's own work and the host."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmark/host_overhead.py"), "--tiny-deepseek", "--batch-sizes", "1",
+         "--iterations", "4", "--repeats", "1", "--warmup", "2", "--count-ops", "--",
+         "--device", "cpu", "--dtype", "float32", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
+         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )
+    ops = json.loads(out.stdout.strip().splitlines()[-1])["ops_per_iter"]
+    assert set(ops) == {"model", "DraftLoop", "VerifyProgram", "DraftExtendProgram", "host"}
+    assert ops["DraftExtendProgram"] == 2.0  # the guesses: softmax and max
+    assert min(ops.values()) > 0 and ops["model"] > ops["DraftLoop"] > ops["DraftExtendProgram"]
