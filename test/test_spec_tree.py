@@ -11,7 +11,9 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from sglang.srt.speculative.eagle_utils import (
     DraftTree,
     build_draft_tree,
+    chain_tree,
     greedy_accept,
+    greedy_accept_chain,
     select_step_inputs,
     verify_outcome,
     walk_tree,
@@ -96,10 +98,32 @@ def test_device_tree_and_greedy_acceptance_match_references(steps, topk, n):
     assert len(lengths) > 1 or steps == 1
 
 
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_chain_tree_and_acceptance_are_the_general_ones_for_topk_1(steps):
+    """topk 1 in closed form: chain_tree is what build_draft_tree keeps of a chain, and
+    greedy_accept_chain accepts what greedy_accept does."""
+    gen = torch.Generator().manual_seed(steps)
+    tree, node_tokens = _random_tree(7, steps, 1, steps + 1, 5, gen)  # a small vocabulary: matches occur
+    chain = chain_tree(tree.tokens)
+    for built, closed in zip(tree.as_tuple(), chain.as_tuple()):
+        assert torch.equal(built, closed)
+    lengths = set()
+    for _ in range(8):
+        target = torch.randint(0, 5, node_tokens.shape, generator=gen)
+        want = greedy_accept(tree, node_tokens, target, steps + 1)
+        got = greedy_accept_chain(node_tokens, target, steps + 1)
+        for a, b in zip(want.as_tuple(), got.as_tuple()):
+            assert torch.equal(a, b)
+        lengths.update(got.accept_len.tolist())
+    assert len(lengths) > 1
+
+
 def test_acceptance_of_an_empty_batch():
     tree = build_draft_tree(torch.zeros(0, 3), torch.zeros(0, 3, dtype=torch.int64), torch.full((0, 3), -1), 4, 3)
     acc = greedy_accept(tree, torch.zeros(0, 4, dtype=torch.int64), torch.zeros(0, 4, dtype=torch.int64), 4)
     assert acc.accept_len.shape == (0,) and acc.nodes.shape == (0, 4) and acc.emitted.shape == (0, 4)
+    chain = greedy_accept_chain(torch.zeros(0, 4, dtype=torch.int64), torch.zeros(0, 4, dtype=torch.int64), 4)
+    assert chain.accept_len.shape == (0,) and chain.nodes.shape == (0, 4) and chain.emitted.shape == (0, 4)
 
 
 def _random_tree(bs: int, steps: int, topk: int, n: int, vocab: int, gen: torch.Generator):
@@ -146,7 +170,7 @@ def test_verify_program_outcome_matches_the_eager_path(steps, topk, n):
         extend_seq_lens=torch.full((bs + pad,), n),
         custom_mask=torch.cat([tree.mask.flatten(0, 1), torch.ones(pad * n, n, dtype=torch.bool)]),
     )
-    program = VerifyProgram(n, width)
+    program = VerifyProgram(n, width, chain=topk == 1)  # a chain: the closed form against the tree's
     out = program(fb, lambda _: LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden))
     got_logits, got_hidden, got = VerifyProgram.split(out)
     assert got_logits is logits and got_hidden is hidden

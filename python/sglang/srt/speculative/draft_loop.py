@@ -22,7 +22,7 @@ import torch
 
 from sglang.srt.model_executor.cuda_graph_runner import PAD_KV_SLOT, ForwardFn
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.speculative.eagle_utils import build_draft_tree, select_step_inputs
+from sglang.srt.speculative.eagle_utils import build_draft_tree, chain_tree, select_step_inputs
 from sglang.srt.speculative.spec_info import SpecInput, top_guesses
 
 
@@ -35,6 +35,8 @@ class DraftLoop:
 
     def __call__(self, fb: ForwardBatch, forward: ForwardFn) -> tuple[torch.Tensor, ...]:
         """Runs steps - 1 draft forwards; returns the verify tree (DraftTree.as_tuple())."""
+        if self.topk == 1:
+            return self._chain(fb, forward)
         bs, k, device = fb.batch_size, self.topk, fb.input_ids.device
         scores, tokens = fb.spec_info.scores.view(bs, k), fb.input_ids.view(bs, k)
         cand_scores, cand_tokens = [scores], [tokens]
@@ -64,6 +66,20 @@ class DraftLoop:
             self.num_draft_tokens, self.steps,
         )
         return tree.as_tuple()
+
+    def _chain(self, fb: ForwardBatch, forward: ForwardFn) -> tuple[torch.Tensor, ...]:
+        """topk 1: each step feeds its one guess on, seeing every input before it; the tree is
+        the chain of guesses (no ranking, so no scores)."""
+        bs = fb.batch_size
+        tokens, step = [fb.input_ids.view(bs, 1)], fb
+        for t in range(self.steps - 1):
+            out = forward(step)
+            token = top_guesses(out.next_token_logits, 1)[1]
+            tokens.append(token)
+            if t < self.steps - 2:
+                seen = torch.ones((bs, 1, t + 2), dtype=torch.bool, device=token.device)
+                step = self._next_step(fb, t + 1, token, out.hidden_states, seen)
+        return chain_tree(torch.cat(tokens, 1)).as_tuple()
 
     def _next_step(
         self, first: ForwardBatch, t: int, tokens: torch.Tensor, hidden: torch.Tensor, ancestors: torch.Tensor

@@ -58,6 +58,16 @@ class DraftTree:
         return cls(node_tokens[:, 1:], parents, strict.sum(dim=-1), mask)
 
 
+def chain_tree(tokens: torch.Tensor) -> DraftTree:
+    """The verify tree of a chain (topk 1: node j's parent is node j - 1), in closed form:
+    what build_draft_tree keeps of a chain's candidates. tokens: [bs, n - 1]."""
+    bs, n = tokens.shape[0], tokens.shape[1] + 1
+    nodes = torch.arange(n, device=tokens.device)
+    parents = (nodes - 1).clamp(min=0).expand(bs, -1)
+    mask = (nodes.view(-1, 1) >= nodes).expand(bs, -1, -1)
+    return DraftTree(tokens, parents, nodes.expand(bs, -1), mask)
+
+
 def build_draft_tree(
     cand_scores: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor, num_nodes: int, max_depth: int
 ) -> DraftTree:
@@ -110,6 +120,17 @@ def greedy_accept(tree: DraftTree, tokens: torch.Tensor, target_tokens: torch.Te
     # padded rows only (their all-true masks), whose outcome is discarded.
     accept_len = (kept.sum(dim=1) - 1).clamp(0, width - 1)
     return _acceptance(kept, tree.depths, accept_len, target_tokens, width)
+
+
+def greedy_accept_chain(tokens: torch.Tensor, target_tokens: torch.Tensor, width: int) -> Acceptance:
+    """greedy_accept for chain trees (chain_tree) in closed form: the accepted drafts are the
+    leading nodes whose token equals the target's argmax at the node before."""
+    match = tokens[:, 1:] == target_tokens[:, :-1]
+    accept_len = match.long().cumprod(dim=1).sum(dim=1).clamp(max=width - 1)
+    columns = torch.arange(width, device=tokens.device)
+    nodes = torch.minimum(columns, accept_len.view(-1, 1))
+    emitted = torch.where(columns <= accept_len.view(-1, 1), target_tokens.gather(1, nodes), 0)
+    return Acceptance(accept_len, nodes, emitted)
 
 
 def _acceptance(

@@ -88,7 +88,7 @@ class SpecSizes:
         return modes
 
     def verify_program(self) -> VerifyProgram:
-        return VerifyProgram(self.num_draft_tokens, self.draft_extend_rows)
+        return VerifyProgram(self.num_draft_tokens, self.draft_extend_rows, chain=self.topk == 1)
 
     def draft_extend_program(self) -> DraftExtendProgram:
         return DraftExtendProgram(self.topk)

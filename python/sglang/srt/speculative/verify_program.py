@@ -2,9 +2,10 @@
 eagerly, or captured as one CUDA graph (so a greedy cycle's acceptance costs no host launches).
 
 The program reads only the verify batch (static buffers under a graph): node tokens, KV
-slots and the tree mask, from which it recovers the trees (DraftTree.from_mask). Its greedy
-outcome is computed for every batch; the worker uses it only when the batch is greedy without
-penalties, and otherwise accepts from the returned logits itself.
+slots and the tree mask, from which it recovers the trees (DraftTree.from_mask; with topk 1
+every tree is a chain and needs no recovering). Its greedy outcome is computed for every
+batch; the worker uses it only when the batch is greedy without penalties, and otherwise
+accepts from the returned logits itself.
 """
 
 from __future__ import annotations
@@ -16,22 +17,32 @@ import torch
 from sglang.srt.layers.sampler import greedy_tokens
 from sglang.srt.model_executor.cuda_graph_runner import ForwardFn
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.speculative.eagle_utils import DraftTree, VerifyOutcome, greedy_accept, verify_outcome
+from sglang.srt.speculative.eagle_utils import (
+    DraftTree,
+    VerifyOutcome,
+    greedy_accept,
+    greedy_accept_chain,
+    verify_outcome,
+)
 
 
 @dataclass(frozen=True)
 class VerifyProgram:
     num_draft_tokens: int
     width: int  # the draft extend's rows per request (steps + 1)
+    chain: bool = False  # topk 1: every tree is a chain, accepted in closed form
 
     def __call__(self, fb: ForwardBatch, forward: ForwardFn) -> tuple[torch.Tensor, ...]:
         """Returns (logits [bs * n, vocab], hidden [bs * n, hidden], *VerifyOutcome.as_tuple())."""
         out = forward(fb)
         bs, n = fb.batch_size, self.num_draft_tokens
         tokens = fb.input_ids.view(bs, n)
-        tree = DraftTree.from_mask(tokens, fb.custom_mask.view(bs, n, n))
         target_tokens = greedy_tokens(out.next_token_logits).view(bs, n)
-        acceptance = greedy_accept(tree, tokens, target_tokens, self.width)
+        if self.chain:
+            acceptance = greedy_accept_chain(tokens, target_tokens, self.width)
+        else:
+            tree = DraftTree.from_mask(tokens, fb.custom_mask.view(bs, n, n))
+            acceptance = greedy_accept(tree, tokens, target_tokens, self.width)
         kv_len = fb.seq_lens - n
         outcome = verify_outcome(acceptance, kv_len, fb.out_cache_loc.view(bs, n), out.hidden_states)
         return (out.next_token_logits, out.hidden_states, *outcome.as_tuple())
