@@ -9,9 +9,9 @@ import torch
 
 
 def top_guesses(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The draft's topk most likely next tokens [rows, topk] and their probabilities, from its
-    logits [rows, vocab]. One guess is a max (one reduction; torch.topk is a radix select of a
-    dozen kernels on CUDA)."""
+    """(probabilities, tokens) [rows, topk] of the draft's topk most likely next tokens, from
+    its logits [rows, vocab]. One guess is a max (one reduction; torch.topk is a radix select
+    of a dozen kernels on CUDA)."""
     probs = torch.softmax(logits, dim=-1)
     if topk == 1:
         return probs.max(dim=-1, keepdim=True)
