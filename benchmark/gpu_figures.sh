@@ -40,9 +40,10 @@ serve() {  # serve LABEL MODEL [server flags...]: start a server in the backgrou
   return 1
 }
 
-stop() {
+stop() {  # stop the server; print what its log says Triton compiled (after startup: batches waited)
   kill "$server_pid"
   wait "$server_pid" || true
+  grep -hE "kernel variants during startup|while serving" "$server_log" | cut -c1-240 || true
 }
 
 serving() {  # serving LABEL PROMPTS OUTPUT_LEN: held-out prompts at concurrency 1 (16 prompts) and 32 (64)
