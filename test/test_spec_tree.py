@@ -1,13 +1,18 @@
 """The device-side verify tree and greedy acceptance against plain-Python references, and the
-verify program's greedy outcome against the eager path's, and the draft's guesses."""
+verify program's greedy outcome against the eager path's, the draft's guesses and the draft
+steps' KV columns."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.model_executor.cuda_graph_runner import PAD_KV_SLOT
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.speculative.draft_loop import DraftLoop
 from sglang.srt.speculative.eagle_utils import (
     DraftTree,
     build_draft_tree,
@@ -204,3 +209,29 @@ def test_draft_extend_program_returns_the_guesses_and_hidden_states():
     ref_probs, ref_tokens = torch.topk(torch.softmax(logits, dim=-1), 2, dim=-1)
     assert torch.equal(out[1], ref_tokens) and torch.equal(out[2], hidden)
     torch.testing.assert_close(out[0], ref_probs)
+
+
+@pytest.mark.parametrize("topk", [1, 2, 3])
+def test_draft_step_writes_its_own_scratch_columns(topk):
+    """Step t of the draft loop writes request b's input j to table column L_b + t*topk + j
+    (L_b: the KV length), and a padded row only to the dummy slot."""
+    steps, bs = 4, 3
+    table = torch.arange(5 * 100).view(5, 100) + 1000  # row r, column c: slot 1000 + 100 r + c
+    rows, kv_lens = torch.tensor([4, 1, 2]), torch.tensor([7, 20, 3])
+    first_loc = table[rows.view(-1, 1), kv_lens.view(-1, 1) + torch.arange(topk)].flatten()
+    first_loc[-topk:] = PAD_KV_SLOT  # the last request is a padded row
+    first = ForwardBatch(
+        mode=ForwardMode.DRAFT_DECODE, batch_size=bs, input_ids=torch.zeros(bs * topk, dtype=torch.int64),
+        positions=kv_lens.repeat_interleave(topk), out_cache_loc=first_loc, req_pool_indices=rows,
+        seq_lens=kv_lens + topk, extend_seq_lens=torch.full((bs,), topk), seq_lens_cpu=(kv_lens + topk).tolist(),
+        req_to_token_pool=SimpleNamespace(req_to_token=table),
+    )
+    loop = DraftLoop(steps, topk, num_draft_tokens=steps + 1, max_position=1 << 20)
+    for t in range(1, steps - 1):
+        step = loop._next_step(first, t, torch.zeros(bs, topk, dtype=torch.int64), torch.zeros(bs * topk, 8),
+                               torch.ones(bs, topk, (t + 1) * topk, dtype=torch.bool))
+        want = table[rows.view(-1, 1), kv_lens.view(-1, 1) + t * topk + torch.arange(topk)].flatten()
+        want[-topk:] = PAD_KV_SLOT
+        assert torch.equal(step.out_cache_loc, want)
+        assert torch.equal(step.seq_lens, kv_lens + (t + 1) * topk)
+        assert torch.equal(step.positions, kv_lens.repeat_interleave(topk) + t)

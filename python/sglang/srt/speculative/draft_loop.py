@@ -86,10 +86,10 @@ class DraftLoop:
     ) -> ForwardBatch:
         """Step t's batch, derived from the first step's on the device."""
         k = self.topk
-        kv_len = (first.seq_lens - k).repeat_interleave(k)
-        rows = first.req_pool_indices.repeat_interleave(k)
-        columns = kv_len + t * k + torch.arange(k, device=kv_len.device).repeat(first.batch_size)
-        slots = first.req_to_token_pool.req_to_token[rows, columns]
+        # Request b's inputs j take table columns L_b + t*k + j (L_b = seq_lens - k), b-major.
+        first_column = (first.seq_lens + (t - 1) * k).view(-1, 1)
+        columns = first_column + torch.arange(k, device=first_column.device)
+        slots = first.req_to_token_pool.req_to_token[first.req_pool_indices.view(-1, 1), columns].flatten()
         return replace(
             first,
             input_ids=tokens.flatten(),
