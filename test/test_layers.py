@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_loader import get_model
 from sglang.test.model_harness import ModelHarness
+from sglang.test.server_utils import find_free_port
 
 
 def _batch(mode: ForwardMode, extend_lens: list[int], capture=CaptureHiddenMode.NULL) -> ForwardBatch:
@@ -146,12 +146,6 @@ def test_vocab_embedding_sharding_pads_last_rank(restore_tp):
     assert not emb.weight[2:].any()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tp_worker(rank: int, world: int, port: int, path: str, prompts, refs) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -172,4 +166,4 @@ def test_tp2_gloo_matches_hf(tiny_qwen2_dir):
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         refs = [hf(torch.tensor([p])).logits[0] for p in prompts]
-    mp.spawn(_tp_worker, args=(2, _free_port(), tiny_qwen2_dir, prompts, refs), nprocs=2)
+    mp.spawn(_tp_worker, args=(2, find_free_port(), tiny_qwen2_dir, prompts, refs), nprocs=2)

@@ -136,7 +136,7 @@ def test_two_nodes_on_one_machine(llama_and_reference, dp_attention):
     """--nnodes 2: node 1 runs tp rank 1 only; node 0 runs rank 0 and the HTTP server
     (one model is enough for the launch topology)."""
     path, reference = llama_and_reference
-    port = find_free_port()
+    port = find_free_port(span=8)  # the rendezvous port and the ZMQ ports after it
     args = ["--device", "cpu", "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
     if dp_attention:
         args += ["--dp-size", "2", "--enable-dp-attention"]

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from sglang.test.server_utils import find_free_port
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple) -> None:
@@ -32,4 +27,4 @@ def spawn_gloo(fn: Callable[..., None], world: int, *args: Any) -> None:
 
     fn must be importable (a module-level function) and args picklable.
     """
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world)
+    mp.spawn(_entry, args=(world, find_free_port(), fn, args), nprocs=world)

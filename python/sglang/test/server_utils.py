@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,10 +19,33 @@ from sglang.srt.utils.process import kill_process_tree, pid_alive
 _PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def find_free_port() -> int:
+def _ephemeral_ports_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def find_free_port(span: int = 1) -> int:
+    """A free port on 127.0.0.1 (and the span - 1 after it), below the kernel's ephemeral range:
+    a port the kernel hands out (to gloo's sockets, say) could be taken by the server's own
+    processes before the server binds it."""
+    top = _ephemeral_ports_start() - span
+    for _ in range(1000):
+        port = random.randrange(10000, top)
+        if all(_bindable(p) for p in range(port, port + span)):
+            return port
+    raise RuntimeError(f"no {span} free consecutive ports in [10000, {top + span})")
 
 
 class ServerProcess(subprocess.Popen):
