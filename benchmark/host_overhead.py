@@ -40,6 +40,7 @@ well under 1 us with the wall clock.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
@@ -102,6 +103,8 @@ class PhaseTimer:
         return timed
 
 
+# Aten ops that only make views (no kernel). Not OpOverload.is_view: that also marks `to`, `copy`
+# and `pin_memory` (they may return their input), which copy when they do not.
 _VIEW_OPS = {
     "view", "_unsafe_view", "slice", "select", "expand", "unsqueeze", "squeeze", "flatten", "unflatten",
     "unbind", "as_strided", "alias", "t", "transpose", "permute", "reshape", "detach", "split", "split_with_sizes",
@@ -110,32 +113,28 @@ _VIEW_OPS = {
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts kernel-launching aten operations by the part of the iteration that issues them
-    (the innermost of: the model's forward, a program run by ModelRunner.run; else host)."""
+    """Counts kernel-launching aten operations (views left out) by the part of the iteration that
+    issues them: the innermost of the model's forward and a program run by ModelRunner.run; else host."""
 
     def __init__(self) -> None:
         super().__init__()
         self.parts: list[str] = []
         self.counts: dict[str, int] = defaultdict(int)
 
-    def wrap(self, runner: ModelRunner) -> None:
-        run, forward_eager = runner.run, runner.forward_eager
+    def labelled(self, label_of: Callable, fn: Callable) -> Callable:
+        """fn, counting what it issues under label_of(its arguments) (None: its caller's part)."""
 
-        def labelled(label_of: Callable, fn: Callable) -> Callable:
-            def call(*args, **kwargs):
-                label = label_of(*args, **kwargs)
+        def call(*args, **kwargs):
+            label = label_of(*args, **kwargs)
+            if label:
+                self.parts.append(label)
+            try:
+                return fn(*args, **kwargs)
+            finally:
                 if label:
-                    self.parts.append(label)
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    if label:
-                        self.parts.pop()
+                    self.parts.pop()
 
-            return call
-
-        runner.run = labelled(lambda fb, program=None: type(program).__name__ if program else None, run)
-        runner.forward_eager = labelled(lambda fb: "model", forward_eager)
+        return call
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket.__name__ not in _VIEW_OPS:
@@ -244,19 +243,18 @@ def timed_iterations(scheduler: Scheduler, timer: PhaseTimer, iterations: int) -
 
 
 def count_ops(scheduler: Scheduler, iterations: int) -> dict[str, float]:
-    """Kernel-launching ops per iteration by part (OpCounter); the runners' wrappers are undone."""
+    """Kernel-launching ops per iteration by part (OpCounter)."""
     counter = OpCounter()
     runners = [scheduler.runner] + ([scheduler.spec_worker.draft_runner] if scheduler.spec_worker else [])
-    saved = [(r.run, r.forward_eager) for r in runners]
-    for r in runners:
-        counter.wrap(r)
-    try:
+    program_name = lambda fb, program=None: type(program).__name__ if program else None  # noqa: E731
+    with contextlib.ExitStack() as patches:
+        for r in runners:
+            model = counter.labelled(lambda fb: "model", r.forward_eager)
+            patches.enter_context(mock.patch.object(r, "run", counter.labelled(program_name, r.run)))
+            patches.enter_context(mock.patch.object(r, "forward_eager", model))
         with counter:
             for _ in range(iterations):
                 scheduler.run_iteration()
-    finally:
-        for r, (run, forward_eager) in zip(runners, saved):
-            r.run, r.forward_eager = run, forward_eager
     return {part: round(n / iterations, 1) for part, n in sorted(counter.counts.items())}
 
 
