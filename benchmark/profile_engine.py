@@ -1,7 +1,8 @@
 """Profile an engine's iterations with the torch profiler (the scheduler's /start_profile).
 
 Runs a warm-up request, then profiles --num-steps forward iterations of one batch and prints
-each rank's op tables (device time, then host time); the traces stay in --output-dir.
+each rank's op tables (device time, then host time) and its timeline summary (device busy
+and idle time, CUDA calls per iteration: trace_summary.py); the traces stay in --output-dir.
 
     python benchmark/profile_engine.py --model-path bench_models/deepseek-v3-mtp --batch-size 1 \\
         -- --disable-cuda-graph --speculative-algorithm NEXTN
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import sys
 import tempfile
@@ -21,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sglang as sgl  # noqa: E402
 from bench_decode import dummy_model_dir  # noqa: E402
+from trace_summary import load_events, summarize  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
 
@@ -52,6 +55,9 @@ def main() -> None:
         print(f"==== {path}")
         for table in open(path).read().split("sorted by ")[1:]:
             print("sorted by " + "\n".join(table.splitlines()[: args.rows + 4]))
+    for path in sorted(glob.glob(os.path.join(out_dir, "*.trace.json.gz"))):
+        print(f"==== timeline of {path}")
+        print(json.dumps(summarize(load_events(path), args.num_steps), indent=1))
 
 
 if __name__ == "__main__":

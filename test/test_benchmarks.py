@@ -255,3 +255,24 @@ def test_host_overhead_counts_ops_by_part():
     assert set(ops) == {"model", "DraftLoop", "VerifyProgram", "DraftExtendProgram", "host"}
     assert ops["DraftExtendProgram"] == 2.0  # the guesses: softmax and max
     assert min(ops.values()) > 0 and ops["model"] > ops["DraftLoop"] > ops["DraftExtendProgram"]
+
+
+def test_trace_summary_counts_device_busy_time_and_host_calls(tmp_path):
+    """Overlapping kernels count once; gaps between them are idle; host calls are per iteration."""
+    summary = _load_script("benchmark/trace_summary.py")
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "a", "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "b", "ts": 5, "dur": 10},  # overlaps a: busy 0..15
+        {"ph": "X", "cat": "gpu_memcpy", "name": "c", "ts": 115, "dur": 5},  # after a 100 us gap
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 1, "dur": 30},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 50, "dur": 10},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 2, "dur": 3},
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 3},
+    ]
+    path = tmp_path / "t.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = summary.summarize(summary.load_events(str(path)), iterations=2)
+    assert out["device_span_us_per_iter"] == 60.0 and out["device_busy_us_per_iter"] == 10.0
+    assert out["kernels_per_iter"] == 1.0
+    assert out["idle_gaps_per_iter"] == {"100-1000us": {"count": 0.5, "us": 50.0}}
+    assert out["host_calls_per_iter"] == {"cudaGraphLaunch": {"count": 1.0, "us": 20.0}}
