@@ -172,7 +172,7 @@ def standin_capture(graphs: CudaGraphRunner) -> None:
 def standin_graph_modes(runner: ModelRunner) -> dict[ForwardMode, CapturedMode]:
     """ModelRunner._graph_modes as on CUDA, whatever the device."""
     if runner.spec_sizes is not None:
-        return runner.spec_sizes.captured_modes(runner.is_draft, runner.draft_loop)
+        return runner.speculative_graph_modes()
     return {ForwardMode.DECODE: CapturedMode(1)}
 
 

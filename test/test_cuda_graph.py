@@ -463,8 +463,10 @@ class _WorkAsGraph:
 
     def replay(self) -> None:
         assert _weight_addresses(self.graphs.model_runner) == self.weights, "a weight moved after capture"
-        batch = self.graphs.inputs.batch(self.key, self.graphs.modes[self.key.mode])
-        assert batch.extend_seq_lens.tolist() == [self.key.tokens_per_req] * self.key.batch_size, self.key
+        mode = self.graphs.modes[self.key.mode]
+        batch = self.graphs.inputs.batch(self.key, mode)
+        if not mode.slots_only:  # else the work reads no lengths from the batch
+            assert batch.extend_seq_lens.tolist() == [self.key.tokens_per_req] * self.key.batch_size, self.key
         self.graphs.run_into_outputs(batch, self.key)
         _WorkAsGraph.replays[self.key.mode] = _WorkAsGraph.replays.get(self.key.mode, 0) + 1
 
@@ -477,7 +479,7 @@ def _emulated_capture(graphs: CudaGraphRunner) -> None:
     runner.attn_backend.init_cuda_graph_state(graphs.max_bs, graphs.max_bs * width, torch.device("cpu"))
     for key in sorted(graphs.keys, key=lambda k: (k.num_tokens, k.tree_cols, k.batch_size), reverse=True):
         batch = graphs.inputs.padding_batch(key, graphs.modes[key.mode])
-        assert _lengths_agree(batch), key
+        assert graphs.modes[key.mode].slots_only or _lengths_agree(batch), key
         graphs.ensure_outputs(key, graphs._run(batch, key))
         graphs.graphs[key] = _WorkAsGraph(graphs, key)
 
@@ -487,9 +489,7 @@ def _cpu_graphs():
     """ModelRunners built inside capture their speculative modes' graphs as on CUDA (at the
     same point of their construction), as _WorkAsGraph graphs."""
     with (
-        mock.patch.object(
-            ModelRunner, "_graph_modes", lambda self: self.spec_sizes.captured_modes(self.is_draft, self.draft_loop)
-        ),
+        mock.patch.object(ModelRunner, "_graph_modes", ModelRunner.speculative_graph_modes),
         mock.patch.object(CudaGraphRunner, "capture", _emulated_capture),
     ):
         yield
@@ -507,7 +507,13 @@ def _spec_args(path: str, **args) -> ServerArgs:
 
 
 def _spec_greedy(
-    args: ServerArgs, graphs: bool, prompts: list[list[int]], max_new: list[int], tp_rank: int = 0, port_args=None
+    args: ServerArgs,
+    graphs: bool,
+    prompts: list[list[int]],
+    max_new: list[int],
+    tp_rank: int = 0,
+    port_args=None,
+    return_logprob: bool = False,
 ) -> tuple[list[list[int]], float]:
     import test_triton_kernels  # noqa: F401  (patches the interpreter for NumPy >= 2.4)
     from sglang.test.inprocess_scheduler import greedy, start_scheduler
@@ -517,7 +523,7 @@ def _spec_greedy(
             scheduler = start_scheduler(replace(args, cuda_graph_bs=[1, 2, 4]), tp_rank, port_args)
     else:
         scheduler = start_scheduler(args, tp_rank, port_args)
-    return greedy(scheduler, prompts, max_new), scheduler.avg_spec_accept_length()
+    return greedy(scheduler, prompts, max_new, return_logprob=return_logprob), scheduler.avg_spec_accept_length()
 
 
 @pytest.fixture(scope="module")
@@ -534,11 +540,18 @@ def llama_eagle_head(tiny_llama_dir, tmp_path_factory) -> str:
     return make_eagle_head(tiny_llama_dir, str(tmp_path_factory.mktemp("eagle_head")))
 
 
+# Greedy batches run each cycle as one graph (DECODE); logprobs need the verify logits, so
+# those batches replay the draft loop's, the verify's and the draft extend's graphs instead.
+_CYCLE_GRAPHS = {False: {ForwardMode.DECODE}, True: {ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE, ForwardMode.DRAFT_EXTEND}}
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@pytest.mark.parametrize("logprobs", [False, True], ids=["whole cycle", "sub-forwards"])
 @pytest.mark.parametrize("case", ["perfect NEXTN chain", "NEXTN tree", "EAGLE tree"])
-def test_captured_work_matches_eager_spec(request, case):
-    """Verify, every draft step and the draft extend through their graphs' captured work
-    (padded batches, static tree masks and hidden states): the same tokens and accept length."""
+def test_captured_work_matches_eager_spec(request, case, logprobs):
+    """A cycle through its graphs' captured work (padded batches, static tree masks and hidden
+    states), as one graph or sub-forward by sub-forward: the same tokens and accept length as
+    eagerly."""
     chain = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
     tree = dict(speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
     path, spec = {
@@ -550,11 +563,11 @@ def test_captured_work_matches_eager_spec(request, case):
     if spec["speculative_algorithm"] == "EAGLE":
         spec["speculative_draft_model_path"] = request.getfixturevalue("llama_eagle_head")
     args = _spec_args(path, **spec)
-    eager_ids, eager_accept = _spec_greedy(args, False, SPEC_PROMPTS, SPEC_MAX_NEW)
+    eager_ids, eager_accept = _spec_greedy(args, False, SPEC_PROMPTS, SPEC_MAX_NEW, return_logprob=logprobs)
     _WorkAsGraph.replays = {}
-    graph_ids, graph_accept = _spec_greedy(args, True, SPEC_PROMPTS, SPEC_MAX_NEW)
+    graph_ids, graph_accept = _spec_greedy(args, True, SPEC_PROMPTS, SPEC_MAX_NEW, return_logprob=logprobs)
     assert graph_ids == eager_ids and graph_accept == eager_accept
-    assert set(_WorkAsGraph.replays) == {ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE, ForwardMode.DRAFT_EXTEND}
+    assert set(_WorkAsGraph.replays) == _CYCLE_GRAPHS[logprobs]
     if case == "perfect NEXTN chain":
         assert eager_accept == 4.0
 
@@ -562,7 +575,8 @@ def test_captured_work_matches_eager_spec(request, case):
 def _dp_spec_worker(rank: int, args: ServerArgs, port_args, results) -> None:
     torch.set_num_threads(1)
     # DP rank 0 decodes three requests; DP rank 1 one short request, then idles through the
-    # other rank's cycles: its verify, draft steps and draft extends replay padded graphs too.
+    # other rank's cycles: rank 0 replays each cycle as one graph while rank 1 replays the
+    # padded graphs of the draft loop, the verify and the draft extend (the same collectives).
     prompts, max_new = (SPEC_PROMPTS, SPEC_MAX_NEW) if rank == 0 else ([[30, 31, 32, 33]], [3])
     ids, accept = _spec_greedy(args, True, prompts, max_new, tp_rank=rank, port_args=port_args)
     results[rank] = (ids, accept, sorted(m.name for m in _WorkAsGraph.replays))
@@ -570,9 +584,10 @@ def _dp_spec_worker(rank: int, args: ServerArgs, port_args, results) -> None:
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
 def test_captured_work_matches_eager_spec_dp_attention(perfect_dsv3_dir):
-    """NEXTN under --tp 2 --dp 2 --enable-dp-attention with every verify, draft step and
-    draft extend going through the graphs' captured work (the key from the plan, idle ranks
-    included): the single-rank eager tokens, and accept length 4.0 on both DP ranks."""
+    """NEXTN under --tp 2 --dp 2 --enable-dp-attention with every cycle going through the
+    graphs' captured work (the key from the plan; a busy rank's whole-cycle graph against an
+    idle rank's sub-forward graphs): the single-rank eager tokens, and accept length 4.0 on
+    both DP ranks."""
     import torch.multiprocessing as mp
 
     from sglang.srt.server_args import PortArgs
@@ -584,4 +599,5 @@ def test_captured_work_matches_eager_spec_dp_attention(perfect_dsv3_dir):
     mp.spawn(_dp_spec_worker, args=(args, PortArgs.init_new(args), results), nprocs=2)
     assert results[0][0] == single[:3] and results[1][0] == single[3:]
     assert results[0][1] == results[1][1] == 4.0
-    assert results[0][2] == results[1][2] == ["DRAFT_DECODE", "DRAFT_EXTEND", "TARGET_VERIFY"]
+    assert results[0][2] == ["DECODE"]
+    assert results[1][2] == ["DECODE", "DRAFT_DECODE", "DRAFT_EXTEND", "TARGET_VERIFY"]

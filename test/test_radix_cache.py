@@ -92,7 +92,13 @@ def test_write_spans_fills_each_span_through_one_copy():
     pool = ReqToTokenPool(4, 6, "cpu")
     out = pool.write_spans([2, 0, 3], [1, 5, 0], [2, 0, 3], torch.tensor([7, 8, 9, 10, 11]))
     assert out.tolist() == [7, 8, 9, 10, 11]
-    assert pool.req_to_token.tolist() == [[0] * 6, [0] * 6, [0, 7, 8, 0, 0, 0], [9, 10, 11, 0, 0, 0]]
+    assert pool.req_to_token.tolist() == [[0] * 6, [0] * 6, [0, 7, 8, 0, 0, 0], [9, 10, 11, 0, 0, 0], [0] * 6]
+
+
+def test_table_never_hands_out_the_dummy_row():
+    pool = ReqToTokenPool(3, 4, "cpu")
+    rows = [pool.alloc() for _ in range(4)]
+    assert sorted(rows[:3]) == [1, 2, 3] and rows[3] is None and pool.req_to_token.shape[0] == 4
 
 
 def _decoding_reqs(pool: ReqToTokenPool, prompts: list[list[int]]) -> list:

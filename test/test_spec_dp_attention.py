@@ -147,20 +147,24 @@ def _drive(scheduler: Scheduler, run: list[tuple], record: list[dict]) -> None:
 
 
 def _check_gathers(gathers: list[tuple], record: list[dict], dp_rank: int, sizes: dict, layers: dict) -> None:
-    """Every dp_gather moved the planned rows of its sub-forward, through the one buffer."""
+    """Every dp_gather moved the planned rows of its sub-forward, through the one buffer: an
+    iteration's gathers, in order, are those of its traced sub-forwards, one per MLP/MoE layer
+    of each forward (a decode cycle run as one program traces its three sub-forwards)."""
     steps, topk, n = sizes["speculative_num_steps"], sizes["speculative_eagle_topk"], sizes["speculative_num_draft_tokens"]
-    by_iteration = {r["iteration"]: r for r in record}
     assert len({ptr for *_, ptr in gathers}) == 1, "more than one gathered buffer"
-    per_sub_forward: dict[tuple[int, int], int] = {}
-    for iteration, index, rows, local, _ in gathers:
-        kind, planned, planned_local = by_iteration[iteration]["trace"][index]
-        assert rows == planned and local == planned_local == rows[dp_rank], (kind, rows, planned, local)
-        per_sub_forward[iteration, index] = per_sub_forward.get((iteration, index), 0) + 1
+    by_iteration: dict[int, list[tuple]] = {}
+    for iteration, rows, local, _ in gathers:
+        by_iteration.setdefault(iteration, []).append((rows, local))
+    assert set(by_iteration) <= {r["iteration"] for r in record}
     for r in record:
         trace = r["trace"]
-        for index, (kind, _, _) in enumerate(trace):  # one gather per MLP/MoE layer of each forward
-            forwards = steps - 1 if kind == "draft_loop" else 1
-            assert per_sub_forward.get((r["iteration"], index), 0) == forwards * layers[kind.startswith("target")], (kind, r)
+        expected = [
+            (planned, planned_local)
+            for kind, planned, planned_local in trace
+            for _ in range((steps - 1 if kind == "draft_loop" else 1) * layers[kind.startswith("target")])
+        ]
+        assert by_iteration.get(r["iteration"], []) == expected, (trace, r)
+        assert all(local == rows[dp_rank] for rows, local in expected), trace
         rows = {kind: planned for kind, planned, _ in trace}
         if "target_verify" in rows:  # per DP rank: bs x topk, bs x num_draft_tokens, bs x (steps + 1)
             bs = [v // n for v in rows["target_verify"]]
@@ -184,7 +188,7 @@ def _rank_main(rank: int, server_args: ServerArgs, port_args: PortArgs, refs: di
     gather = dp_attention.dp_gather
 
     def recorded_gather(local, global_num_tokens, buffer):
-        gathers.append((scheduler.iterations, len(worker.trace) - 1, tuple(global_num_tokens), local.shape[0], buffer.data_ptr()))
+        gathers.append((scheduler.iterations, tuple(global_num_tokens), local.shape[0], buffer.data_ptr()))
         return gather(local, global_num_tokens, buffer)
 
     record: list[dict] = []

@@ -33,13 +33,19 @@ def start_scheduler(server_args: ServerArgs, tp_rank: int = 0, port_args: PortAr
     return scheduler
 
 
-def greedy(scheduler: Scheduler, prompts: list[list[int]], max_new: list[int], max_iterations: int = 10_000) -> list[list[int]]:
+def greedy(
+    scheduler: Scheduler,
+    prompts: list[list[int]],
+    max_new: list[int],
+    max_iterations: int = 10_000,
+    return_logprob: bool = False,
+) -> list[list[int]]:
     """Greedy output ids of every prompt (all submitted at once), run to completion. Under DP
     attention every rank calls it (with its own prompts, possibly none) and iterates until
     all ranks are idle."""
     for i, (prompt, n) in enumerate(zip(prompts, max_new)):
         params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
-        scheduler.handle_message(TokenizedGenerateReqInput(f"r{i}", None, prompt, params))
+        scheduler.handle_message(TokenizedGenerateReqInput(f"r{i}", None, prompt, params, return_logprob=return_logprob))
     finished = scheduler.send_to_detokenizer.finished
     for _ in range(max_iterations):
         scheduler.run_iteration()

@@ -1,7 +1,8 @@
 """Request->token table, KV slot allocator and per-layer KV pools.
 
-Slot 0 of every KV pool is reserved as the dummy slot that padded rows write to;
-the allocator never hands it out.
+Slot 0 of every KV pool is reserved as the dummy slot that padded rows write to; the
+allocator never hands it out. Likewise row 0 of the request->token table is the dummy row
+of padded requests (a captured decode cycle reads and writes it); no request gets it.
 """
 
 from __future__ import annotations
@@ -16,14 +17,19 @@ from sglang.srt.utils.device_constants import DeviceConstants
 from sglang.srt.utils.transfer import upload
 
 
+DUMMY_KV_SLOT = 0
+DUMMY_REQ_ROW = 0
+
+
 class ReqToTokenPool:
-    """Maps (request row, position) -> KV slot. One row per running request."""
+    """Maps (request row, position) -> KV slot. One row per running request (rows 1..size),
+    and the dummy row 0 (all dummy slots, as long as padded requests write only those)."""
 
     def __init__(self, size: int, max_context_len: int, device: str):
         self.size = size
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
-        self.free_slots = list(range(size))
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int64, device=device)
+        self.free_slots = list(range(DUMMY_REQ_ROW + 1, size + 1))
         self.constants = DeviceConstants(device)
 
     def available_size(self) -> int:
@@ -89,7 +95,7 @@ class TokenToKVPoolAllocator:
         self.clear()
 
     def clear(self) -> None:
-        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device="cpu")
+        self.free_slots = torch.arange(DUMMY_KV_SLOT + 1, self.size + 1, dtype=torch.int64, device="cpu")
         self.released: list[torch.Tensor] = []
         self.num_released = 0
 

@@ -26,11 +26,12 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.mem_cache.memory_pool import DUMMY_KV_SLOT, DUMMY_REQ_ROW
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.speculative.spec_info import SpecInput
 
@@ -40,11 +41,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
-# Values of padded rows: token 0 at position 0 writing the dummy KV slot 0 (never allocated)
-# and reading request row 0 (any row holds valid slot numbers; what it reads is discarded).
+# Values of padded rows: token 0 at position 0 writing the dummy KV slot 0 and reading the
+# dummy request row 0 (neither is ever allocated; what a padded row reads is discarded).
 PAD_TOKEN_ID = 0
-PAD_KV_SLOT = 0
-PAD_REQ_ROW = 0
+PAD_KV_SLOT = DUMMY_KV_SLOT
+PAD_REQ_ROW = DUMMY_REQ_ROW
 # Rows of StaticInputs.int_rows: input ids, positions, KV slots (per token), then table rows,
 # seq_lens, extend_lens (per request).
 _TOKEN_ROWS = 3
@@ -67,9 +68,12 @@ class CudaGraphCaptureError(RuntimeError):
     """Capture failed (typically out of memory); the message names the flags that help."""
 
 
-# One model forward as a graph runs it (metadata from device tensors, then the model), or as
-# an eager forward runs it (ModelRunner.forward_eager).
-ForwardFn = Callable[[ForwardBatch], LogitsProcessorOutput]
+class ForwardFn(Protocol):
+    """One model forward as a graph runs it (metadata from device tensors, then the model:
+    CudaGraphRunner.captured_forward), or as an eager forward runs it (ModelRunner.forward_eager):
+    of the model runner that runs the program, or of `runner`."""
+
+    def __call__(self, fb: ForwardBatch, runner: Optional["ModelRunner"] = None) -> LogitsProcessorOutput: ...
 
 
 class GraphProgram(Protocol):
@@ -92,6 +96,7 @@ class CapturedMode:
     draft_scores: bool = False  # spec_info also carries each input token's draft score
     program: Optional[GraphProgram] = None  # the captured work; None: one model forward
     outputs_as_views: bool = False  # replay returns views of the output buffers (no copies)
+    slots_only: bool = False  # the work reads only its batch's table rows and KV slots (a decode cycle)
 
 
 @dataclass(frozen=True)
@@ -205,7 +210,10 @@ class StaticInputs:
         """load without building the padded batch (what a replay needs)."""
         bs, n = fb.batch_size, fb.num_tokens
         # An IDLE batch (DP attention) has no rows to copy: everything is padding.
-        if bs:
+        if bs and mode.slots_only:
+            self.out_cache_loc[:n].copy_(fb.out_cache_loc)
+            self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
+        elif bs:
             tokens = (fb.input_ids, fb.positions, fb.out_cache_loc)
             requests = (fb.req_pool_indices, fb.seq_lens, fb.extend_seq_lens)
             if n == bs:  # one token per request: every row in one copy
@@ -267,17 +275,19 @@ class StaticInputs:
         return column
 
     def batch(self, key: GraphKey, mode: CapturedMode) -> ForwardBatch:
-        """The buffers' first rows as the batch a graph of `key` was captured with."""
+        """The buffers' first rows as the batch a graph of `key` was captured with (of a
+        slots-only mode: its table rows and KV slots alone, as its eager batch has)."""
         bs, n = key.batch_size, key.num_tokens
+        tokens, requests = (0, 0) if mode.slots_only else (n, bs)
         return ForwardBatch(
             mode=key.mode,
             batch_size=bs,
-            input_ids=self.input_ids[:n],
-            positions=self.positions[:n],
+            input_ids=self.input_ids[:tokens],
+            positions=self.positions[:tokens],
             out_cache_loc=self.out_cache_loc[:n],
             req_pool_indices=self.req_pool_indices[:bs],
-            seq_lens=self.seq_lens[:bs],
-            extend_seq_lens=self.extend_seq_lens[:bs],
+            seq_lens=self.seq_lens[:requests],
+            extend_seq_lens=self.extend_seq_lens[:requests],
             seq_lens_cpu=[key.pad_seq_len] * bs,
             extend_seq_lens_cpu=[key.tokens_per_req] * bs,
             custom_mask=self.custom_mask[: n * key.tree_cols].view(n, key.tree_cols) if key.tree_cols else None,
@@ -420,10 +430,11 @@ class CudaGraphRunner:
             used / _MIB,
         )
 
-    def captured_forward(self, fb: ForwardBatch) -> LogitsProcessorOutput:
-        """One forward as a graph holds it: metadata from device tensors, then the model.
+    def captured_forward(self, fb: ForwardBatch, runner: Optional["ModelRunner"] = None) -> LogitsProcessorOutput:
+        """One forward as a graph holds it: metadata from device tensors, then the model (of
+        this runner, or of `runner`, whose backend has its graph state from its own capture).
         Every captured batch gives each request the same number of tokens."""
-        runner = self.model_runner
+        runner = runner or self.model_runner
         runner.attach(fb)
         runner.attn_backend.init_forward_metadata_graph(fb, fb.num_tokens // fb.batch_size)
         return runner.model.forward(fb.input_ids, fb.positions, fb)

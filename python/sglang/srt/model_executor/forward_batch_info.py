@@ -82,7 +82,8 @@ class ForwardBatch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
+        """Every token writes one KV slot (a padded one the dummy slot)."""
+        return int(self.out_cache_loc.shape[0])
 
     @property
     def prefix_lens_cpu(self) -> list[int]:

@@ -56,16 +56,17 @@ class ModelRunner:
         is_draft: bool = False,
         embed_and_head: Optional[tuple[nn.Parameter, nn.Parameter]] = None,
         draft_loop: Optional[GraphProgram] = None,
+        decode_cycle: Optional[GraphProgram] = None,
     ):
         """A draft runner (is_draft) passes the target's req_to_token_pool and allocator (shared
         slots), under DP attention the target's gathered buffer (one buffer per rank), the
         target's embedding and LM head, which its model uses instead of its own, and the draft
-        loop that its CUDA graphs capture."""
+        loop and decode cycle that its CUDA graphs capture."""
         self.model_config = model_config
         self.server_args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.is_draft = is_draft
-        self.draft_loop = draft_loop
+        self.draft_loop, self.decode_cycle = draft_loop, decode_cycle
         self.spec_sizes = SpecSizes.from_server_args(server_args) if server_args.speculative_algorithm else None
         # KV heads are sharded over the attention-TP group (all of TP unless DP attention).
         self.attn_tp_size = server_args.attn_tp_size
@@ -193,8 +194,12 @@ class ModelRunner:
             logger.info("CUDA graphs off: %s", reason)
             return {}
         if self.spec_sizes is not None:
-            return self.spec_sizes.captured_modes(self.is_draft, self.draft_loop)
+            return self.speculative_graph_modes()
         return {ForwardMode.DECODE: CapturedMode(1)}
+
+    def speculative_graph_modes(self) -> dict[ForwardMode, CapturedMode]:
+        """The speculative sub-forwards this runner's graphs capture (target or draft)."""
+        return self.spec_sizes.captured_modes(self.is_draft, self.draft_loop, self.decode_cycle)
 
     def _make_graph_runner(self) -> Optional[CudaGraphRunner]:
         modes = self._graph_modes()
@@ -246,7 +251,10 @@ class ModelRunner:
         return self.forward_eager(forward_batch)
 
     @torch.inference_mode()
-    def forward_eager(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
-        self.attach(forward_batch)
-        self.attn_backend.init_forward_metadata(forward_batch)
-        return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+    def forward_eager(self, forward_batch: ForwardBatch, runner: Optional["ModelRunner"] = None) -> LogitsProcessorOutput:
+        """One eager forward of this runner's model, or of `runner`'s (a program spanning two
+        runners: the speculative decode cycle)."""
+        runner = runner or self
+        runner.attach(forward_batch)
+        runner.attn_backend.init_forward_metadata(forward_batch)
+        return runner.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)

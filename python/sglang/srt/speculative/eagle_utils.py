@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-DUMMY_KV_SLOT = 0  # TokenToKVPoolAllocator never hands out slot 0
+from sglang.srt.mem_cache.memory_pool import DUMMY_KV_SLOT
 
 
 def select_step_inputs(

@@ -13,9 +13,12 @@ with seq_len L (target and draft KV at positions 0..L-2, last token x_{L-1} not 
      extends on the emitted tokens with the target hidden states of the nodes before them,
      padded to steps + 1 rows per request (pads write the dummy KV slot 0; logits are taken
      at each request's last real row).
-Every size is known on the host before the cycle starts, so a greedy cycle reads the device
-once, after its last forward is queued (the emitted tokens and the nodes kept); the rejected
-nodes' slots are freed then.
+The cycle's device work is speculative/decode_cycle.py. Its KV slots (the verify's and the
+draft steps' scratch, one allocation) and table rows are all the host uploads: every length
+follows from the KV lengths in the request states. A greedy batch without penalties runs the
+cycle as one program (with CUDA graphs: one graph launch per cycle) and reads the device once,
+after it is queued (the emitted tokens and the nodes kept); the rejected nodes' slots are
+freed then. Other batches run it sub-forward by sub-forward and accept on the host.
 Under DP attention every rank runs the same sub-forward sequence with the same per-rank rows,
 derived from the iteration's plan all-gather (spec_plan.py); a rank without work in a phase
 runs zero-row (IDLE) sub-forwards. Hidden states handed from one sub-forward to the next are
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable, Optional, Union
 
 import torch
@@ -40,12 +44,12 @@ from sglang.srt.managers.tp_worker import GenerationResult, LaunchedStep, TpMode
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.decode_cycle import CycleTensors, DecodeCycle, cycle_batch
 from sglang.srt.speculative.draft_loop import DraftLoop
 from sglang.srt.speculative.eagle_utils import (
     Acceptance,
     DraftTree,
     VerifyOutcome,
-    build_draft_tree,
     greedy_accept,
     non_finite_requests,
     verify_outcome,
@@ -53,9 +57,7 @@ from sglang.srt.speculative.eagle_utils import (
 )
 from sglang.srt.speculative.spec_info import RequestStates, SpecInput, top_guesses
 from sglang.srt.speculative.spec_plan import SpecIterationPlan, SpecSizes, SubForward
-from sglang.srt.speculative.verify_program import VerifyProgram
-from sglang.srt.utils.device_constants import DeviceConstants
-from sglang.srt.utils.transfer import HostCopy, to_device, to_host, upload
+from sglang.srt.utils.transfer import HostCopy, to_host, upload
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ _GLOBAL_MODE = {
     SubForward.DRAFT_LOOP: ForwardMode.DRAFT_DECODE,
     SubForward.TARGET_VERIFY: ForwardMode.TARGET_VERIFY,
     SubForward.DRAFT_EXTEND: ForwardMode.DRAFT_EXTEND,
+    SubForward.DECODE_CYCLE: ForwardMode.DECODE,
 }
 
 
@@ -86,65 +89,12 @@ def draft_model_config(server_args: ServerArgs) -> ModelConfig:
 
 
 @dataclass
-class Lengths:
-    """seq_lens and extend_seq_lens of one sub-forward, on the device and on the host."""
-
-    seq: torch.Tensor
-    ext: torch.Tensor
-    seq_cpu: list[int]
-    ext_cpu: list[int]
-
-
-@dataclass
-class CycleInputs:
-    """A decode cycle's per-request values on the device, gathered from the request states
-    (so a cycle can be queued before the previous one's lengths reach the host). Every length
-    of every sub-forward follows from the KV lengths L. The host lengths are exact when every
-    request's previous cycle has reached the host, else upper bounds (docs/architecture.md)."""
-
-    rows: torch.Tensor  # [bs] request->token table rows
-    kv_len: torch.Tensor  # [bs] L
-    roots: torch.Tensor  # [bs] the last tokens (verify tree roots)
-    draft_positions: torch.Tensor  # [bs * topk] L (clamped): the draft loop's first step
-    extend_positions: torch.Tensor  # [bs * (steps + 1)] L + j (clamped): the draft extend
-    draft_loop: Lengths  # topk new tokens per request (the loop's first step)
-    verify: Lengths  # num_draft_tokens
-    extend: Lengths  # steps + 1
-    host_lens_exact: bool
-
-    @classmethod
-    def gather(
-        cls, reqs: list[Req], states: RequestStates, sizes: SpecSizes, max_position: int, constants: DeviceConstants
-    ) -> "CycleInputs":
-        (rows,) = upload([[r.req_pool_idx for r in reqs]], constants.device)
-        bs, width = len(reqs), sizes.draft_extend_rows
-        kv_len, roots = states.cursors[rows].unbind(1)
-        # A request whose previous cycle is in flight gained 1 .. steps + 1 KV positions in it.
-        host_kv = [r.kv_len + width * r.in_flight for r in reqs]
-        exact = not any(r.in_flight for r in reqs)
-        lengths = [
-            Lengths(kv_len + new, constants.full((bs,), new), [L + new for L in host_kv], [new] * bs)
-            for new in (sizes.topk, sizes.num_draft_tokens, width)
-        ]
-        extend_positions = (kv_len.view(-1, 1) + constants.arange(width)).clamp(max=max_position)  # [bs, width]
-        return cls(
-            rows,
-            kv_len,
-            roots,
-            extend_positions[:, 0].repeat_interleave(sizes.topk),
-            extend_positions.flatten(),
-            *lengths,
-            exact,
-        )
-
-
-@dataclass
 class LaunchedCycle:
     """A decode cycle queued on the device (scheduler.LaunchedStep's interface): its tokens and
     its KV positions reach the host in resolve(), which also frees the verify slots not kept."""
 
     reqs: list[Req]
-    slots: torch.Tensor  # [bs, n] the verify's slots (host)
+    slots: torch.Tensor  # [bs, cycle slots] the cycle's slots (host), the verify's first
     reads: HostCopy  # accept lengths, emitted tokens, kept nodes, then the optional reads
     finish: Callable[[list[Req], torch.Tensor, list], GenerationResult]
     kv_known_at_launch = False
@@ -178,8 +128,13 @@ class EAGLEWorker:
         self.draft_loop = (
             DraftLoop(self.steps, self.topk, self.num_draft, self.max_position) if self.steps > 1 else None
         )
+        draft_config = draft_model_config(server_args)
+        table = target_runner.req_to_token_pool
+        self.states = RequestStates(table.req_to_token.shape[0], self.topk, self.hidden_size, draft_config.dtype, self.device)
+        # Made before the draft runner, whose CUDA graphs capture it.
+        self.cycle = DecodeCycle(self.sizes, self.max_position, self.states, table, target_runner, self.draft_loop)
         self.draft_runner = ModelRunner(
-            draft_model_config(server_args),
+            draft_config,
             server_args,
             gpu_id,
             tp_rank,
@@ -190,15 +145,13 @@ class EAGLEWorker:
             is_draft=True,
             embed_and_head=target_runner.model.get_embed_and_head(),
             draft_loop=self.draft_loop,
+            decode_cycle=self.cycle,
         )
-        self.states = RequestStates(
-            target_runner.req_to_token_pool.size, self.topk, self.hidden_size, self.draft_runner.dtype, self.device
-        )
-        self.constants = target_runner.req_to_token_pool.constants  # one cache of device constants per table
         # The sub-forwards that run as one program (its graph, or its forwards eagerly).
         self.programs = {
             SubForward.TARGET_VERIFY: self.sizes.verify_program(),
             SubForward.DRAFT_EXTEND: self.sizes.draft_extend_program(),
+            SubForward.DECODE_CYCLE: self.cycle,
         }
         if self.draft_loop is not None:
             self.programs[SubForward.DRAFT_LOOP] = self.draft_loop
@@ -256,8 +209,12 @@ class EAGLEWorker:
         if fb.spec_info is not None and buffer is not None and fb.num_tokens:
             # Invariant: a hidden state handed to the draft is never a view of the gathered buffer.
             assert fb.spec_info.hidden_states.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
-        rows = tuple(fb.global_num_tokens) if fb.global_num_tokens is not None else None
-        self.trace.append((kind.value, rows, fb.num_tokens))
+        if kind == SubForward.DECODE_CYCLE:  # its sub-forwards run inside the one program
+            for sub in it.decode_phase():
+                dp_rows = it.global_num_tokens(sub)
+                self.trace.append((sub.value, dp_rows and tuple(dp_rows), fb.batch_size * self.sizes.tokens_per_req(sub)))
+        else:
+            self.trace.append((kind.value, fb.global_num_tokens and tuple(fb.global_num_tokens), fb.num_tokens))
         program = self.programs.get(kind)
         if program is not None:
             return runner.run_program(fb, program)
@@ -325,23 +282,47 @@ class EAGLEWorker:
 
     # ------------------------------------------------------------------ decode cycle
     def launch_decode(self, batch: ScheduleBatch, it: SpecIterationPlan) -> LaunchedCycle:
+        """The cycle's slots come from the host (one allocation, one upload with the table
+        rows); a greedy batch without penalties or per-token reads runs the whole cycle as
+        one program (one graph), any other runs it sub-forward by sub-forward, accepting
+        between verify and draft extend."""
         reqs = batch.reqs
-        cycle = CycleInputs.gather(reqs, self.states, self.sizes, self.max_position, self.constants)
-        tree = self.draft(reqs, cycle, it)
-        node_tokens = torch.cat([cycle.roots.view(-1, 1), tree.tokens], dim=1)
-        slots, dev_slots, (logits, hidden, outcome) = self.verify(reqs, cycle, tree, node_tokens, it)
-        if not _greedy_without_penalties(reqs):  # else the verify program's own outcome holds
+        bs, width = len(reqs), self.sizes.tokens_per_req(SubForward.DECODE_CYCLE)
+        slots = self.kv.alloc(bs * width)
+        rows, dev_slots = upload([[r.req_pool_idx for r in reqs]], self.device, tensors=[slots])
+        # A request whose previous cycle is in flight gained 1 .. steps + 1 KV positions in it.
+        host_kv = [r.kv_len + self.sizes.draft_extend_rows * r.in_flight for r in reqs]
+        fb = cycle_batch(rows, dev_slots.view(bs, width), host_kv, not any(r.in_flight for r in reqs))
+        if self._whole_cycle(reqs):
+            reads = list(self._forward(self.draft_runner, fb, SubForward.DECODE_CYCLE, it))
+        else:
+            reads = []
+            self.cycle.run(fb, partial(self._sub_forward, it), partial(self._accept_on_host, reqs, reads))
+        return LaunchedCycle(reqs, slots.view(bs, width), HostCopy(*reads), self._result)
+
+    def _whole_cycle(self, reqs: list[Req]) -> bool:
+        """Whether the verify's argmax decides the cycle and the host reads only its outcome."""
+        return not self.detect_nan and _greedy_without_penalties(reqs) and not any(r.return_logprob for r in reqs)
+
+    def _sub_forward(self, it: SpecIterationPlan, kind: SubForward, fb: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        runner = self.target.runner if kind in _TARGET_SUB_FORWARDS else self.draft_runner
+        return self._forward(runner, fb, kind, it)
+
+    def _accept_on_host(
+        self, reqs: list[Req], reads: list[torch.Tensor], cycle: CycleTensors, tree: DraftTree,
+        node_tokens: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, outcome: VerifyOutcome,
+    ) -> VerifyOutcome:
+        """The outcome of a batch that samples or has penalties (from the verify logits; the
+        greedy outcome otherwise), and what the host reads of the cycle into `reads`."""
+        if not _greedy_without_penalties(reqs):
             logits, acceptance = self.accept(reqs, tree, node_tokens, logits)
-            outcome = verify_outcome(acceptance, cycle.kv_len, dev_slots, hidden)
-        # Everything the host needs from this cycle, read once after the last forward is queued.
-        reads = [outcome.host_reads]
+            outcome = verify_outcome(acceptance, cycle.kv_len, cycle.slots[:, : self.num_draft], hidden)
+        reads.append(outcome.host_reads)
         if self.detect_nan:
             reads.append(non_finite_requests(logits, len(reqs)))
         if any(r.return_logprob for r in reqs):
             reads += self._logprobs(reqs, logits, outcome.acceptance)
-        self.draft_extend(cycle, outcome, it)
-        self.states.cursors.index_copy_(0, cycle.rows, outcome.cursors)
-        return LaunchedCycle(reqs, slots, HostCopy(*reads), self._result)
+        return outcome
 
     def accept(
         self, reqs: list[Req], tree: DraftTree, node_tokens: torch.Tensor, logits: torch.Tensor
@@ -359,63 +340,6 @@ class EAGLEWorker:
             target_tokens = greedy_tokens(logits).view(len(reqs), self.num_draft)
             return logits, greedy_accept(tree, node_tokens, target_tokens, self.sizes.draft_extend_rows)
         return logits, self.sample_accept(reqs, tree, node_tokens, logits, info)
-
-    @staticmethod
-    def _batch(mode: ForwardMode, cycle: CycleInputs, lengths: Lengths, **fields) -> ForwardBatch:
-        return ForwardBatch(
-            mode=mode, batch_size=len(lengths.seq_cpu), req_pool_indices=cycle.rows, seq_lens=lengths.seq,
-            extend_seq_lens=lengths.ext, seq_lens_cpu=lengths.seq_cpu, extend_seq_lens_cpu=lengths.ext_cpu,
-            host_lens_exact=cycle.host_lens_exact, **fields,
-        )
-
-    def _place_after_kv(self, cycle: CycleInputs, slots: torch.Tensor) -> torch.Tensor:
-        """slots [bs, w] (device) into each request's table row from its KV length L; returns slots."""
-        self.kv.req_to_token_pool.write_rows_from(cycle.rows, cycle.kv_len, slots)
-        return slots
-
-    def draft(self, reqs: list[Req], cycle: CycleInputs, it: SpecIterationPlan) -> DraftTree:
-        """The verify trees (without roots) from the draft loop, or from the kept guesses alone."""
-        bs, k = len(reqs), self.topk
-        probs, tokens, hidden = self.states.draft_guesses(cycle.rows)
-        if self.steps == 1:
-            return build_draft_tree(probs, tokens, self.constants.full((bs, k), -1), self.num_draft, 1)
-        # Scratch slots: step t's inputs of request b at row positions L + t*k + j.
-        width = (self.steps - 1) * k
-        scratch_host = self.kv.alloc(bs * width)
-        scratch = self._place_after_kv(cycle, to_device(scratch_host, self.device).view(bs, width))
-        fb = self._batch(
-            ForwardMode.DRAFT_DECODE, cycle, cycle.draft_loop,
-            input_ids=tokens.flatten(),
-            positions=cycle.draft_positions,
-            out_cache_loc=scratch[:, :k].flatten(),
-            custom_mask=self.constants.tiled_eye(bs, k),
-            capture_hidden_mode=CaptureHiddenMode.FULL,
-            # Each guess's copy of the hidden state (hidden itself when topk = 1).
-            spec_info=SpecInput(hidden.unsqueeze(1).expand(-1, k, -1).flatten(0, 1), probs.flatten()),
-        )
-        tree = DraftTree(*self._forward(self.draft_runner, fb, SubForward.DRAFT_LOOP, it))
-        self.kv.allocator.free(scratch_host)
-        return tree
-
-    def verify(
-        self, reqs: list[Req], cycle: CycleInputs, tree: DraftTree, node_tokens: torch.Tensor, it: SpecIterationPlan
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, VerifyOutcome]]:
-        """Target forward over every request's tree; returns its slots [bs, n] on the host and
-        on the device, and its logits, hidden states and greedy outcome (VerifyProgram)."""
-        n = self.num_draft
-        slots = self.kv.alloc(len(reqs) * n)
-        dev_slots = self._place_after_kv(cycle, to_device(slots, self.device).view(len(reqs), n))
-        positions = (cycle.kv_len.view(-1, 1) + tree.depths).clamp(max=self.max_position)
-        fb = self._batch(
-            ForwardMode.TARGET_VERIFY, cycle, cycle.verify,
-            input_ids=node_tokens.flatten(),
-            positions=positions.flatten(),
-            out_cache_loc=dev_slots.flatten(),
-            custom_mask=tree.mask.flatten(0, 1),
-            capture_hidden_mode=CaptureHiddenMode.FULL,
-        )
-        out = self._forward(self.target.runner, fb, SubForward.TARGET_VERIFY, it)
-        return slots.view(len(reqs), n), dev_slots, VerifyProgram.split(out)
 
     def sample_accept(
         self, reqs: list[Req], tree: DraftTree, node_tokens: torch.Tensor, logits: torch.Tensor, info: SamplingBatchInfo
@@ -461,23 +385,6 @@ class EAGLEWorker:
         top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
         return [chosen, *torch.topk(logprobs, top_n, dim=-1)] if top_n else [chosen]
 
-    def draft_extend(self, cycle: CycleInputs, outcome: VerifyOutcome, it: SpecIterationPlan) -> None:
-        """Move the kept nodes' slots to positions L.. (positions past them, up to the draft
-        extend's rows, get the dummy slot, which its pad rows write), then let the draft catch
-        up: position L + j consumes emitted token j with the target hidden state of its node.
-        Pads come after every real row, so no real row sees them (causally)."""
-        kept = self._place_after_kv(cycle, outcome.extend_slots)
-        fb = self._batch(
-            ForwardMode.DRAFT_EXTEND, cycle, cycle.extend,
-            input_ids=outcome.acceptance.emitted.flatten(),
-            positions=cycle.extend_positions,
-            out_cache_loc=kept.flatten(),
-            capture_hidden_mode=CaptureHiddenMode.LAST,
-            logits_indices=outcome.extend_logits_rows,
-            spec_info=SpecInput(outcome.extend_hidden),
-        )
-        self.states.store_draft(cycle.rows, *self._forward(self.draft_runner, fb, SubForward.DRAFT_EXTEND, it))
-
     def _result(self, reqs: list[Req], slots: torch.Tensor, reads: tuple[torch.Tensor, ...]) -> GenerationResult:
         """The cycle's tokens per request from what it read (host tensors); frees the nodes not
         kept (all of a request that finished while the cycle was in flight: its tokens are dropped)."""
@@ -502,9 +409,9 @@ class EAGLEWorker:
         return result
 
     def _kept_nodes(self, reqs: list[Req], nodes: torch.Tensor) -> torch.Tensor:
-        """[bs, n] bool (host): the verify nodes whose slots a request keeps. nodes [bs, width]
+        """[bs, cycle slots] bool (host): the cycle's slots a request keeps. nodes [bs, width]
         repeats the last kept node past accept_len; a finished request keeps none."""
-        keep = torch.zeros((len(reqs), self.num_draft), dtype=torch.bool).scatter_(1, nodes, True)
+        keep = torch.zeros((len(reqs), self.sizes.decode_kv_need_per_req), dtype=torch.bool).scatter_(1, nodes, True)
         finished = [b for b, r in enumerate(reqs) if r.finished]
         if finished:
             keep[finished] = False

@@ -33,6 +33,9 @@ class SubForward(enum.Enum):
     DRAFT_LOOP = "draft_loop"  # steps - 1 draft forwards of the same rows
     TARGET_VERIFY = "target_verify"
     DRAFT_EXTEND = "draft_extend"
+    # The three above as one program (decode_cycle.py); its batch carries each request's
+    # table row and the cycle's KV slots.
+    DECODE_CYCLE = "decode_cycle"
 
 
 @dataclass(frozen=True)
@@ -52,20 +55,34 @@ class SpecSizes:
 
     @property
     def decode_kv_need_per_req(self) -> int:
-        """KV slots a decode cycle takes per request; draft-step scratch slots are freed
-        before the verify slots are taken."""
+        """KV slots a decode cycle takes per request: the draft steps' scratch slots and the
+        verify's are the first of the same slots (the draft's KV at a scratch slot is dead
+        before the verify or the draft extend writes there)."""
         return max((self.steps - 1) * self.topk, self.num_draft_tokens)
+
+    def tokens_per_req(self, kind: SubForward) -> int:
+        """Rows per request of a decode-phase sub-forward (of each forward of the draft loop;
+        the cycle batch: its KV slots)."""
+        return {
+            SubForward.DRAFT_LOOP: self.topk,
+            SubForward.TARGET_VERIFY: self.num_draft_tokens,
+            SubForward.DRAFT_EXTEND: self.draft_extend_rows,
+            SubForward.DECODE_CYCLE: self.decode_kv_need_per_req,
+        }[kind]
 
     @property
     def tree_row_width(self) -> int:
         """Request->token table columns a cycle uses past a request's KV."""
         return max(self.decode_kv_need_per_req, self.draft_extend_rows)
 
-    def captured_modes(self, is_draft: bool, draft_loop: Optional[GraphProgram] = None) -> dict[ForwardMode, CapturedMode]:
+    def captured_modes(
+        self, is_draft: bool, draft_loop: Optional[GraphProgram] = None, decode_cycle: Optional[GraphProgram] = None
+    ) -> dict[ForwardMode, CapturedMode]:
         """The sub-forwards a CUDA graph captures: target verify (with the greedy acceptance)
         on the target; the whole draft loop (its first step's batch: topk tokens per request,
-        a topk-wide tree mask) and the draft extend after verify on the draft. A cycle
-        consumes every output before the next cycle replays the graph: no output copies."""
+        a topk-wide tree mask), the draft extend after verify, and the whole greedy cycle
+        (DECODE: its batch's table rows and KV slots) on the draft. A cycle consumes every
+        output before the next cycle replays the graph: no output copies."""
         if not is_draft:
             n = self.num_draft_tokens
             return {
@@ -85,6 +102,10 @@ class SpecSizes:
                 self.topk, (self.topk,), CaptureHiddenMode.FULL, draft_input=True, draft_scores=True, program=draft_loop,
                 outputs_as_views=True,
             )
+        assert decode_cycle is not None, "a draft captures the whole decode cycle"
+        modes[ForwardMode.DECODE] = CapturedMode(
+            self.decode_kv_need_per_req, slots_only=True, program=decode_cycle, outputs_as_views=True
+        )
         return modes
 
     def verify_program(self) -> VerifyProgram:
@@ -124,12 +145,7 @@ class SpecIterationPlan:
             assert self.extend_tokens is not None
             return self.extend_tokens
         assert self.decode_reqs is not None
-        per_req = {
-            SubForward.DRAFT_LOOP: self.sizes.topk,
-            SubForward.TARGET_VERIFY: self.sizes.num_draft_tokens,
-            SubForward.DRAFT_EXTEND: self.sizes.draft_extend_rows,
-        }[kind]
-        return tuple(n * per_req for n in self.decode_reqs)
+        return tuple(n * self.sizes.tokens_per_req(kind) for n in self.decode_reqs)
 
     def global_num_tokens(self, kind: SubForward) -> Optional[list[int]]:
         """ForwardBatch.global_num_tokens of a sub-forward (None without DP attention)."""
