@@ -79,13 +79,18 @@ def _rope_modules(neox: bool) -> list[RotaryEmbedding]:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [0, 1, 5])
 @pytest.mark.parametrize("neox", [False, True])
-def test_mla_rope_pack_matches_rope_and_cat(neox, num_tokens, dtype):
+@pytest.mark.parametrize("broadcast", [False, True], ids=["positions", "one position for all"])
+def test_mla_rope_pack_matches_rope_and_cat(broadcast, neox, num_tokens, dtype):
+    """broadcast: the positions are one position expanded (stride 0), as a draft step's topk
+    guesses of one request have them."""
     heads, nope, rot, latent_dim = 3, 8, 16, 24
     gen = torch.Generator().manual_seed(num_tokens)
     q = torch.randn(num_tokens, heads, nope + rot, generator=gen).to(dtype)
     kv = torch.randn(num_tokens, latent_dim + rot, generator=gen).to(dtype)
     latent = torch.randn(num_tokens, latent_dim, generator=gen).to(dtype)
     positions = torch.randint(0, 256, (num_tokens,), generator=gen)
+    if broadcast:
+        positions = torch.randint(0, 256, (1, 1), generator=gen).expand(1, num_tokens).flatten()
     for rope in _rope_modules(neox):
         q_rot, k_rot = rope.forward_native(positions, q[..., nope:], kv[:, latent_dim:].unsqueeze(1))
         dev = lambda x: x.to(DEVICE)  # noqa: E731

@@ -235,3 +235,34 @@ def test_draft_step_writes_its_own_scratch_columns(topk):
         assert torch.equal(step.out_cache_loc, want)
         assert torch.equal(step.seq_lens, kv_lens + (t + 1) * topk)
         assert torch.equal(step.positions, kv_lens.repeat_interleave(topk) + t)
+
+
+@pytest.mark.parametrize("topk, n", [(1, 4), (4, 8)])
+def test_cycle_sub_forward_batches_are_dense(tmp_path, topk, n):
+    """Triton kernels read a batch's index tensors as dense arrays: every sub-forward of a
+    decode cycle hands them contiguous, one request included (whose topk guesses share one
+    position: an expanded view of it has stride 0)."""
+    from unittest import mock
+
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.server_args import ServerArgs
+    from sglang.test.inprocess_scheduler import greedy, start_scheduler
+    from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
+
+    args = ServerArgs(
+        model_path=make_tiny_deepseek_v3(str(tmp_path / "m")), device="cpu", dtype="float32",
+        speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=n, max_running_requests=2, disable_radix_cache=True,
+    )
+    forward, seen = ModelRunner.forward_eager, []
+
+    def recorded(self, fb, *rest, **kw):
+        fields = (fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens, fb.extend_seq_lens)
+        seen.append((fb.mode, fb.batch_size, all(t.is_contiguous() for t in fields), [t.stride() for t in fields]))
+        return forward(self, fb, *rest, **kw)
+
+    with mock.patch.object(ModelRunner, "forward_eager", recorded):
+        greedy(start_scheduler(args), [[5, 17, 42, 99], [8, 9, 10]], [9, 4])
+    modes = {mode for mode, bs, *_ in seen if bs == 1}
+    assert {ForwardMode.DRAFT_DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND} <= modes
+    assert all(s[2] for s in seen), [s for s in seen if not s[2]]

@@ -69,7 +69,7 @@ def mla_rope_pack_triton(
     k_out = torch.empty((num_tokens, latent_dim + rot), dtype=latent.dtype, device=latent.device)
     if num_tokens:
         _mla_rope_pack_kernel[(num_tokens, num_heads + 1)](
-            positions, cos_sin_cache, cos_sin_cache.stride(0), scale,
+            positions.contiguous(), cos_sin_cache, cos_sin_cache.stride(0), scale,
             q_pe, k_pe, latent, q_out, k_out,
             q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), latent.stride(0), q_out.stride(0), q_out.stride(1),
             num_heads,

@@ -119,8 +119,8 @@ class DecodeCycle:
         fb = self._batch(
             cycle, SubForward.DRAFT_LOOP, ForwardMode.DRAFT_DECODE,
             input_ids=tokens.flatten(),
-            positions=cycle.kv_len.clamp(max=self.max_position).view(-1, 1).expand(-1, k).flatten(),
-            out_cache_loc=cycle.slots[:, :k].flatten(),  # the first step's scratch: columns L .. L + k - 1
+            positions=cycle.kv_len.clamp(max=self.max_position).view(-1, 1).expand(-1, k).flatten().contiguous(),
+            out_cache_loc=cycle.slots[:, :k].flatten().contiguous(),  # the first step's scratch: columns L .. L + k - 1
             custom_mask=self.table.constants.tiled_eye(bs, k),
             capture_hidden_mode=CaptureHiddenMode.FULL,
             # Each guess's copy of the hidden state (hidden itself when topk = 1).
@@ -136,7 +136,7 @@ class DecodeCycle:
             cycle, SubForward.TARGET_VERIFY, ForwardMode.TARGET_VERIFY,
             input_ids=node_tokens.flatten(),
             positions=positions.flatten(),
-            out_cache_loc=cycle.slots[:, :n].flatten(),
+            out_cache_loc=cycle.slots[:, :n].flatten().contiguous(),
             custom_mask=tree.mask.flatten(0, 1),
             capture_hidden_mode=CaptureHiddenMode.FULL,
         )
@@ -164,7 +164,8 @@ class DecodeCycle:
         self.states.cursors.index_copy_(0, cycle.rows, outcome.cursors * real)
 
     def _batch(self, cycle: CycleTensors, kind: SubForward, mode: ForwardMode, **fields) -> ForwardBatch:
-        """A sub-forward's batch: kind's new tokens per request after each KV length L."""
+        """A sub-forward's batch: kind's new tokens per request after each KV length L.
+        Its index tensors are dense (Triton kernels read them as arrays)."""
         new, bs = self.sizes.tokens_per_req(kind), cycle.batch_size
         return ForwardBatch(
             mode=mode,
