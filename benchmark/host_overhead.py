@@ -26,7 +26,8 @@ arrives on it); messages to the detokenizer are pickled as its socket would, not
 
 `--count-ops` adds, per iteration, the aten operations that can launch a kernel (views left
 out) by where they run: the model's forwards, each speculative program's own work around its
-forwards (`DraftLoop`, `VerifyProgram`, `DraftExtendProgram`), and the rest (`host`). Without
+forwards (`DraftLoop`, `VerifyProgram`, `DraftExtendProgram`, and `DecodeCycle`'s own work
+around those three), and the rest (`host`). Without
 `--graph-standin` the programs run eagerly: their counts are the kernels their CUDA graphs
 hold. With it, a program's count is what its graph replay launches eagerly (static-input
 copies), and with `host` that makes the iteration's eager launches on CUDA.
@@ -66,6 +67,11 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E4
 from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import PortArgs, ServerArgs, prepare_server_args  # noqa: E402
+from sglang.srt.speculative.draft_extend_program import DraftExtendProgram  # noqa: E402
+from sglang.srt.speculative.draft_loop import DraftLoop  # noqa: E402
+from sglang.srt.speculative.verify_program import VerifyProgram  # noqa: E402
+
+SUB_PROGRAMS = (DraftLoop, VerifyProgram, DraftExtendProgram)
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "smollm2-135m.json")
 PHASES = ("schedule", "launch", "forward", "model", "process")
@@ -246,10 +252,13 @@ def count_ops(scheduler: Scheduler, iterations: int) -> dict[str, float]:
     """Kernel-launching ops per iteration by part (OpCounter)."""
     counter = OpCounter()
     runners = [scheduler.runner] + ([scheduler.spec_worker.draft_runner] if scheduler.spec_worker else [])
-    program_name = lambda fb, program=None: type(program).__name__ if program else None  # noqa: E731
+    program_name = lambda fb, program=None, **_: type(program).__name__ if program else None  # noqa: E731
+    own_name = lambda program, *_, **__: type(program).__name__  # noqa: E731
     with contextlib.ExitStack() as patches:
+        for cls in SUB_PROGRAMS:  # DecodeCycle calls them directly, not through ModelRunner.run
+            patches.enter_context(mock.patch.object(cls, "__call__", counter.labelled(own_name, cls.__call__)))
         for r in runners:
-            model = counter.labelled(lambda fb: "model", r.forward_eager)
+            model = counter.labelled(lambda fb, **_: "model", r.forward_eager)
             patches.enter_context(mock.patch.object(r, "run", counter.labelled(program_name, r.run)))
             patches.enter_context(mock.patch.object(r, "forward_eager", model))
         with counter:

@@ -252,7 +252,7 @@ def test_host_overhead_counts_ops_by_part():
         capture_output=True, text=True, timeout=600, check=True,
     )
     ops = json.loads(out.stdout.strip().splitlines()[-1])["ops_per_iter"]
-    assert set(ops) == {"model", "DraftLoop", "VerifyProgram", "DraftExtendProgram", "host"}
+    assert set(ops) == {"model", "DecodeCycle", "DraftLoop", "VerifyProgram", "DraftExtendProgram", "host"}
     assert ops["DraftExtendProgram"] == 2.0  # the guesses: softmax and max
     assert min(ops.values()) > 0 and ops["model"] > ops["DraftLoop"] > ops["DraftExtendProgram"]
 
