@@ -192,15 +192,24 @@ def test_verify_program_outcome_matches_the_eager_path(steps, topk, n):
     assert int(got.acceptance.nodes.max()) < n and int(got.acceptance.accept_len.max()) < width
 
 
-@pytest.mark.parametrize("topk", [1, 2, 4])
+@pytest.mark.parametrize("topk", [2, 4])
 def test_top_guesses_are_the_top_k_of_the_softmax(topk):
-    """One guess takes a max instead of torch.topk: the same token and probability."""
     logits = torch.randn(5, 97, generator=torch.Generator().manual_seed(topk)) * 4
     probs, tokens = top_guesses(logits, topk)
     ref_probs, ref_tokens = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
     assert probs.shape == tokens.shape == (5, topk) and tokens.dtype == torch.int64
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(probs, ref_probs)
+
+
+def test_one_guess_is_the_greedy_token_with_score_one():
+    """A chain is never ranked: its guess is the argmax (first of tied maxima), its score 1."""
+    logits = torch.randn(5, 97, generator=torch.Generator().manual_seed(1)) * 4
+    logits[2, 10] = logits[2, 40] = logits[2].max() + 1
+    scores, tokens = top_guesses(logits, 1)
+    assert tokens.shape == (5, 1) and tokens.dtype == torch.int64
+    assert torch.equal(tokens.view(-1), torch.argmax(logits, dim=-1)) and int(tokens[2]) == 10
+    assert scores.dtype == torch.float32 and torch.equal(scores, torch.ones(5, 1))
 
 
 def test_draft_extend_program_returns_the_guesses_and_hidden_states():

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from sglang.srt.layers.sampler import greedy_tokens
 from sglang.srt.model_executor.cuda_graph_runner import PAD_KV_SLOT, ForwardFn
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.speculative.eagle_utils import build_draft_tree, chain_tree, select_step_inputs
@@ -74,7 +75,7 @@ class DraftLoop:
         tokens, step = [fb.input_ids.view(bs, 1)], fb
         for t in range(self.steps - 1):
             out = forward(step)
-            token = top_guesses(out.next_token_logits, 1)[1]
+            token = greedy_tokens(out.next_token_logits).view(-1, 1)
             tokens.append(token)
             if t < self.steps - 2:
                 seen = torch.ones((bs, 1, t + 2), dtype=torch.bool, device=token.device)
