@@ -17,6 +17,7 @@ test_triton_kernels); without triton the kernel tests are skipped.
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
@@ -104,21 +105,85 @@ def test_mla_rope_pack_matches_rope_and_cat(broadcast, neox, num_tokens, dtype):
         torch.testing.assert_close(k_out.cpu(), torch.cat([latent, k_rot.squeeze(1)], dim=-1), atol=tol, rtol=tol)
 
 
-def _interpreted_pack(rope, positions, q_pe, k_pe, latent, q_out) -> torch.Tensor:
+def _interpreted_pack(rope, positions, q_pe, k_pe, latent, q_out, kv_store=None) -> torch.Tensor | None:
     """The Triton path on CPU tensors (mla_rope_pack dispatches on is_cuda)."""
     from sglang.srt.layers.mla_triton import mla_rope_pack_triton
 
     scale = rope.mscale if isinstance(rope, DeepseekScalingRotaryEmbedding) else 1.0
-    return mla_rope_pack_triton(positions, q_pe, k_pe, latent, q_out, rope.cos_sin_cache, scale, rope.is_neox_style)
+    return mla_rope_pack_triton(
+        positions, q_pe, k_pe, latent, q_out, rope.cos_sin_cache, scale, rope.is_neox_style, kv_store
+    )
 
 
 @kernel_test
-@pytest.mark.parametrize("num_tokens", [0, 1, 3, 16, 17])  # 17: past ROUTER_GEMV_MAX_TOKENS, cuBLAS
+@pytest.mark.parametrize("pool_dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [0, 1, 5])
+def test_mla_rope_pack_stores_k_into_the_pool_rows(num_tokens, pool_dtype):
+    """kv_store: k goes to the pool rows loc (cast to the pool's dtype, as set_kv_buffer casts),
+    q as without it; every other row is left alone; nothing is returned."""
+    heads, nope, rot, latent_dim, slots = 3, 8, 16, 24, 12
+    gen = torch.Generator().manual_seed(num_tokens)
+    dtype = DTYPES[0]
+    q = torch.randn(num_tokens, heads, nope + rot, generator=gen).to(DEVICE, dtype)
+    k_pe = torch.randn(num_tokens, rot, generator=gen).to(DEVICE, dtype)
+    latent = torch.randn(num_tokens, latent_dim, generator=gen).to(DEVICE, dtype)
+    positions = torch.randint(0, 256, (num_tokens,), generator=gen).to(DEVICE)
+    loc = torch.randperm(slots, generator=gen)[:num_tokens].to(DEVICE)
+    for rope in _rope_modules(neox=False):
+        rope = rope.to(DEVICE)
+        q_ref = torch.full((num_tokens, heads, latent_dim + rot), 7.0, dtype=dtype, device=DEVICE)
+        k_ref = _interpreted_pack(rope, positions, q[..., nope:], k_pe, latent, q_ref)
+        for pack in (_interpreted_pack, mla_rope_pack):  # the kernel, and the plain path on CPU
+            pool = torch.full((slots, 1, latent_dim + rot), -3.0, dtype=pool_dtype, device=DEVICE)
+            q_out = torch.full_like(q_ref, 7.0)
+            assert pack(rope, positions, q[..., nope:], k_pe, latent, q_out, (pool, loc)) is None
+            want = torch.full_like(pool, -3.0)
+            want[loc] = k_ref.to(pool_dtype).unsqueeze(1)
+            tol = 1e-5 if pack is _interpreted_pack else 1e-4  # the plain path rounds elsewhere
+            torch.testing.assert_close(q_out, q_ref, atol=tol, rtol=tol)
+            torch.testing.assert_close(pool, want, atol=tol, rtol=tol)
+
+
+@kernel_test
+def test_deepseek_with_the_latent_stored_by_rope_matches_plain(tmp_path):
+    """A tiny DeepSeek-V3 whose rope kernel stores the latent into the pool (attention gets no
+    k/v) gives the logits and greedy tokens of the plain path (rope, then the pool's store)."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.loader import get_model
+    from sglang.test.model_harness import ModelHarness
+    from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
+
+    config = ModelConfig(make_tiny_deepseek_v3(str(tmp_path), with_mtp=False), dtype="float32", device=DEVICE)
+    model = get_model(config, "auto", DEVICE)
+    prompts = [[5, 17, 42, 7, 99], [3], [11, 12, 13, 200, 201, 202]]
+
+    def run(rope_stores: bool) -> tuple[list[torch.Tensor], list[list[int]]]:
+        picks = lambda q, fb, pool: rope_stores and isinstance(fb.token_to_kv_pool, pool)  # noqa: E731
+        with mock.patch("sglang.srt.models.deepseek_v2.rope_stores_kv", picks):
+            harness = ModelHarness(model, config, DEVICE)
+            return harness.run_prefill(prompts), harness.greedy_generate(prompts, max_new_tokens=4)
+
+    ref_logits, ref_tokens = run(rope_stores=False)
+    stores = [0]
+
+    def kernel_stores(rope, positions, q_pe, k_pe, latent, q_out, kv_store=None):
+        assert kv_store is not None
+        stores[0] += 1
+        return _interpreted_pack(rope, positions, q_pe, k_pe, latent, q_out, kv_store)
+
+    with mock.patch("sglang.srt.models.deepseek_v2.mla_rope_pack", kernel_stores):
+        logits, tokens = run(rope_stores=True)
+    assert stores[0] > 0 and tokens == ref_tokens
+    for got, want in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@kernel_test
+# 17 and 40 tokens: two and three token blocks for (8, 40); cuBLAS for (64, 2048) in float32.
+@pytest.mark.parametrize("num_tokens", [0, 1, 3, 16, 17, 40])
 @pytest.mark.parametrize("shape", [(8, 40), (64, 2048)] + ([(256, 7168)] if ON_CUDA else []))
 def test_router_logits_match_float32_linear(shape, num_tokens):
-    from sglang.srt.layers.moe.topk_triton import ROUTER_GEMV_MAX_TOKENS, router_logits
-
-    assert ROUTER_GEMV_MAX_TOKENS == 16
+    from sglang.srt.layers.moe.topk_triton import router_logits
 
     num_experts, hidden = shape
     gen = torch.Generator().manual_seed(num_tokens + hidden)

@@ -21,7 +21,6 @@ from sglang.srt.layers import gemv_triton
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.gemv_triton import GemvConfig, gemv, pick_config
 from sglang.srt.layers.linear import stack_rows
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_loader import get_model
 from sglang.test.model_harness import ModelHarness
 from sglang.test.tiny_models import make_tiny_llama
@@ -169,7 +168,7 @@ def test_pick_config_reads_the_table():
 def _forced(config: GemvConfig):
     """Every linear layer, the gated MLP and the LM head on the GEMV with `config`, and the rope +
     KV-store kernel in attention, whatever the device."""
-    rope_stores_kv = lambda q, fb: isinstance(fb.token_to_kv_pool, MHATokenToKVPool)  # noqa: E731
+    rope_stores_kv = lambda q, fb, pool_type: isinstance(fb.token_to_kv_pool, pool_type)  # noqa: E731
     return (
         mock.patch("sglang.srt.layers.linear._gemv_config", lambda x, weight, gated: config),
         mock.patch("sglang.srt.models.llama.rope_stores_kv", rope_stores_kv),

@@ -10,6 +10,7 @@ outer product computes them, so a lookup changes no value; positions must lie in
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -133,13 +134,18 @@ def mla_rope_pack(
     k_pe: torch.Tensor,
     latent: torch.Tensor,
     q_out: torch.Tensor,
-) -> torch.Tensor:
+    kv_store: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Optional[torch.Tensor]:
     """MLA's attention inputs from one rope step.
 
     q_pe [T, H, R], k_pe [T, R] (column slices are fine), latent [T, L], q_out [T, H, L + R]
     whose first L channels the caller fills. Writes rope(q_pe) into q_out[..., L:] and
     returns k = latent ‖ rope(k_pe) [T, L + R], what the MLA pool stores. On CUDA one kernel
     (same values as the rope module's forward_triton); otherwise the module's forward_native.
+
+    kv_store = (one layer's MLA pool buffer [slots, 1, L + R], loc [T]): k is stored into the
+    buffer's rows loc instead, cast to its dtype (as the pool's set_kv_buffer stores it), and
+    None is returned; on CUDA in the same launch.
     """
     latent_dim, rot = latent.shape[-1], q_pe.shape[-1]
     assert rope.rotary_dim == rope.head_size == rot and q_out.shape[-1] == latent_dim + rot
@@ -147,7 +153,14 @@ def mla_rope_pack(
         from sglang.srt.layers.mla_triton import mla_rope_pack_triton  # triton ships with CUDA builds of torch
 
         scale = rope.mscale if isinstance(rope, DeepseekScalingRotaryEmbedding) else 1.0
-        return mla_rope_pack_triton(positions, q_pe, k_pe, latent, q_out, rope.cos_sin_cache, scale, rope.is_neox_style)
+        return mla_rope_pack_triton(
+            positions, q_pe, k_pe, latent, q_out, rope.cos_sin_cache, scale, rope.is_neox_style, kv_store
+        )
     q_rot, k_rot = rope.forward_native(positions, q_pe, k_pe.unsqueeze(1))
     q_out[..., latent_dim:] = q_rot
-    return torch.cat([latent, k_rot.squeeze(1)], dim=-1)
+    k = torch.cat([latent, k_rot.squeeze(1)], dim=-1)
+    if kv_store is None:
+        return k
+    kv_buffer, loc = kv_store
+    kv_buffer[loc] = k.to(kv_buffer.dtype).unsqueeze(1)
+    return None

@@ -4,9 +4,10 @@ launches for 0 rows.
 
 `mla_rope_pack_triton` (deepseek_rotary.mla_rope_pack dispatches here): program (t, h)
 rotates q head h of token t into q_out[t, h, L:]; program (t, H) writes k[t] = latent[t] ‖
-rope(k_pe[t]). One launch where the RoPE kernel and two concatenations took three. cos/sin
-are the rotary module's table row of the position times `scale`, and the rotation is
-fused_ops' own, so every value equals the rope module's forward_triton.
+rope(k_pe[t]), into a new tensor or straight into the KV pool's rows. One launch where the
+RoPE kernel, two concatenations and the pool's store took four. cos/sin are the rotary
+module's table row of the position times `scale`, and the rotation is fused_ops' own, so
+every value equals the rope module's forward_triton.
 
 `head_matmul_triton`: out[t, h] = a[t, h] @ b[h] for up to HEAD_MATMUL_MAX_TOKENS tokens,
 any strides (q_nope @ W_UK into q's latent channels, o_latent @ W_UV^T), where cuBLAS's
@@ -14,6 +15,8 @@ batched GEMM takes 3-6 us for these 16 head-sized GEMVs at batch 1.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -27,12 +30,13 @@ HEAD_MATMUL_MAX_TOKENS = 16  # one tl.dot row tile; larger batches take torch.bm
 @triton.jit
 def _mla_rope_pack_kernel(
     pos_ptr, cos_sin_ptr, cs_stride, scale,
-    q_pe_ptr, k_pe_ptr, latent_ptr, q_out, k_out,
+    q_pe_ptr, k_pe_ptr, latent_ptr, q_out, k_out, k_loc_ptr,
     q_pe_stride_t, q_pe_stride_h, k_pe_stride_t, latent_stride_t, q_out_stride_t, q_out_stride_h,
     num_heads,
-    LATENT: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
+    LATENT: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, AT_LOC: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_LATENT: tl.constexpr,
 ):
+    # k[t] goes to row t of k_out, or (AT_LOC) to row k_loc[t] of a KV pool's layer buffer.
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = tl.load(pos_ptr + t).to(tl.int64)
@@ -44,7 +48,7 @@ def _mla_rope_pack_kernel(
         dst = q_out + t * q_out_stride_t + h * q_out_stride_h + LATENT
         _rotate_head(q_pe_ptr + t * q_pe_stride_t + h * q_pe_stride_h, dst, cos, sin, ROT, ROT, NEOX, BLOCK_HALF, 1)
     else:
-        k_row = k_out + t * (LATENT + ROT)
+        k_row = k_out + (tl.load(k_loc_ptr + t).to(tl.int64) if AT_LOC else t) * (LATENT + ROT)
         _rotate_head(k_pe_ptr + t * k_pe_stride_t, k_row + LATENT, cos, sin, ROT, ROT, NEOX, BLOCK_HALF, 1)
         cols = tl.arange(0, BLOCK_LATENT)
         valid = cols < LATENT
@@ -61,23 +65,34 @@ def mla_rope_pack_triton(
     cos_sin_cache: torch.Tensor,
     scale: float,
     is_neox_style: bool,
-) -> torch.Tensor:
-    """See deepseek_rotary.mla_rope_pack; cos_sin_cache [P, R] is cos | sin halves, float32."""
+    kv_store: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Optional[torch.Tensor]:
+    """See deepseek_rotary.mla_rope_pack; cos_sin_cache [P, R] is cos | sin halves, float32.
+
+    kv_store = (one layer's MLA pool buffer [slots, 1, L + R] contiguous, loc [T] slots):
+    k[t] is written to the buffer's row loc[t], cast to its dtype, and nothing is returned
+    (the launch that stored k in the pool is saved)."""
     num_tokens, num_heads, rot = q_pe.shape
     latent_dim = latent.shape[-1]
     assert q_pe.stride(-1) == k_pe.stride(-1) == latent.stride(-1) == q_out.stride(-1) == 1
-    k_out = torch.empty((num_tokens, latent_dim + rot), dtype=latent.dtype, device=latent.device)
+    if kv_store is None:
+        k_out = torch.empty((num_tokens, latent_dim + rot), dtype=latent.dtype, device=latent.device)
+        k_loc = k_out  # not read
+    else:
+        k_out, k_loc = kv_store
+        assert k_out.is_contiguous() and k_out.shape[1:] == (1, latent_dim + rot) and k_loc.shape == (num_tokens,)
+        k_loc = k_loc.contiguous()
     if num_tokens:
         _mla_rope_pack_kernel[(num_tokens, num_heads + 1)](
             positions.contiguous(), cos_sin_cache, cos_sin_cache.stride(0), scale,
-            q_pe, k_pe, latent, q_out, k_out,
+            q_pe, k_pe, latent, q_out, k_out, k_loc,
             q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), latent.stride(0), q_out.stride(0), q_out.stride(1),
             num_heads,
-            LATENT=latent_dim, ROT=rot, NEOX=is_neox_style,
+            LATENT=latent_dim, ROT=rot, NEOX=is_neox_style, AT_LOC=kv_store is not None,
             BLOCK_HALF=triton.next_power_of_2(rot // 2), BLOCK_LATENT=triton.next_power_of_2(latent_dim),
             num_warps=1,
         )
-    return k_out
+    return k_out if kv_store is None else None
 
 
 @triton.jit(do_not_specialize=["num_tokens"])

@@ -42,3 +42,10 @@ class RadixAttention(nn.Module):
     ) -> torch.Tensor:
         """q: [T, H*D]; k, v: [T, Hkv*D] (or None to read only the cache). Returns [T, H*Dv]."""
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache)
+
+
+def rope_stores_kv(q: torch.Tensor, forward_batch: ForwardBatch, pool_type: type) -> bool:
+    """Whether a model's rotary kernel stores the layer's K/V into the KV pool itself (CUDA, a
+    pool of pool_type), one launch where rotary and the backend's store take two; attention
+    then gets k = v = None and reads them from the pool."""
+    return q.is_cuda and isinstance(forward_batch.token_to_kv_pool, pool_type)

@@ -38,9 +38,10 @@ from sglang.srt.layers.linear import (
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.moe.topk import RoutingConfig
-from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.layers.radix_attention import RadixAttention, rope_stores_kv
 from sglang.srt.layers.rotary_embedding import get_rope, get_rope_params
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.models.decoder_layer import PreNormDecoderLayer
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import default_weight_loader
@@ -221,8 +222,13 @@ class DeepseekV2Attention(nn.Module):
         # q = (q_nope @ W_UK) ‖ rope(q_pe): the matmul and the rope step write their own channels.
         q_full = q.new_empty((num_tokens, self.num_heads, self.kv_lora_rank + self.qk_rope_head_dim))
         head_matmul(q_nope, w_uk, q_full[..., : self.kv_lora_rank])
-        k_full = mla_rope_pack(self.rotary_emb, positions, q_pe, k_pe, latent, q_full)  # [T, L + R], as pooled
-        o_latent = self.attn(q_full.flatten(1), k_full, k_full[:, : self.kv_lora_rank], forward_batch)
+        if rope_stores_kv(q_full, forward_batch, MLATokenToKVPool):
+            kv_store = (forward_batch.token_to_kv_pool.get_kv_buffer(self.attn.layer_id), forward_batch.out_cache_loc)
+            mla_rope_pack(self.rotary_emb, positions, q_pe, k_pe, latent, q_full, kv_store)
+            o_latent = self.attn(q_full.flatten(1), None, None, forward_batch)  # the latent is read from the pool
+        else:
+            k_full = mla_rope_pack(self.rotary_emb, positions, q_pe, k_pe, latent, q_full)  # [T, L + R], as pooled
+            o_latent = self.attn(q_full.flatten(1), k_full, k_full[:, : self.kv_lora_rank], forward_batch)
         o_latent = o_latent.view(num_tokens, self.num_heads, self.kv_lora_rank)
         o = o_latent.new_empty((num_tokens, self.num_heads, self.v_head_dim))
         head_matmul(o_latent, w_uv.transpose(1, 2), o)  # [T, H, v]

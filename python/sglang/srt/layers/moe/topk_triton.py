@@ -1,8 +1,8 @@
 """Expert routing on CUDA: the router's float32 logits and `select_experts`, one kernel each.
 
 `router_logits`: x @ W^T with W float32 and x read in its own dtype (cast in registers),
-for decode-sized batches in one launch where a float32 copy of x plus cuBLAS's GEMV take
-three; larger batches take cuBLAS.
+for decode-sized batches (and a small model's verify batches) in one launch where a float32
+copy of x plus cuBLAS's GEMM take two or three; larger batches take cuBLAS.
 
 `select_experts_triton`: one program per token row holds the row's expert scores in
 registers and does what the plain-PyTorch `select_experts` does in a dozen kernels: scoring
@@ -27,10 +27,20 @@ from sglang.srt.layers.moe.topk import RoutingConfig
 _METHOD_CODES = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
 
-# Batches up to this many rows get their router logits from one Triton launch, which reads
-# each expert's weight row once per batch; larger ones take cuBLAS's float32 GEMM.
-ROUTER_GEMV_MAX_TOKENS = 16
+# Router logits from one Triton launch: program (e, j) computes expert e's logits of the j-th
+# block of up to ROUTER_BLOCK_TOKENS tokens, so x is read once per expert (from L2 after the
+# first). Batches of up to ROUTER_BLOCK_TOKENS rows (timed: one launch where a float32 copy of
+# x and cuBLAS's GEMM take three), or whose reads of x stay within ROUTER_REREAD_BYTES (a
+# small model's verify and draft batches: 8 experts x 128 tokens x 256 wide read 0.5 MiB),
+# take the kernel; larger batches take cuBLAS's float32 GEMM.
+ROUTER_BLOCK_TOKENS = 16
+ROUTER_REREAD_BYTES = 8 << 20
 _ROUTER_TILE = 4096  # float32 products one program keeps in registers per step
+
+
+def router_takes_kernel(num_tokens: int, num_experts: int, hidden: int, itemsize: int) -> bool:
+    """Whether router_logits of this batch run the kernel (else cuBLAS); itemsize: x's."""
+    return num_tokens <= ROUTER_BLOCK_TOKENS or num_experts * num_tokens * hidden * itemsize <= ROUTER_REREAD_BYTES
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -38,9 +48,9 @@ def _router_logits_kernel(
     x_ptr, w_ptr, out_ptr, num_tokens, hidden, x_stride, w_stride, out_stride,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # Program e: logit of expert e for every token (num_tokens <= BLOCK_T), float32 throughout.
+    # Program (e, j): logit of expert e for tokens [j * BLOCK_T, (j + 1) * BLOCK_T), float32 throughout.
     e = tl.program_id(0).to(tl.int64)
-    toks = tl.arange(0, BLOCK_T)
+    toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     acc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
@@ -59,15 +69,15 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """float32 [T, E] = x.float() @ weight.T for x [T, hidden] (any float dtype) and weight
     [E, hidden] float32; the same products and float32 sums, in another order than cuBLAS's."""
     num_tokens, hidden = x.shape
-    if num_tokens > ROUTER_GEMV_MAX_TOKENS:
-        return F.linear(x.float(), weight)
     num_experts = weight.shape[0]
+    if not router_takes_kernel(num_tokens, num_experts, hidden, x.element_size()):
+        return F.linear(x.float(), weight)
     out = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=x.device)
     if num_tokens:
         x = x if x.stride(-1) == 1 else x.contiguous()
-        block_t = triton.next_power_of_2(num_tokens)
+        block_t = min(triton.next_power_of_2(num_tokens), ROUTER_BLOCK_TOKENS)
         block_k = min(triton.next_power_of_2(hidden), _ROUTER_TILE // block_t)
-        _router_logits_kernel[(num_experts,)](
+        _router_logits_kernel[(num_experts, triton.cdiv(num_tokens, block_t))](
             x, weight, out, num_tokens, hidden, x.stride(0), weight.stride(0), out.stride(0),
             BLOCK_T=block_t, BLOCK_K=block_k,
         )
