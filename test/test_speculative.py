@@ -29,6 +29,7 @@ PROMPTS = [
 ]
 MAX_NEW = 14
 CHAIN = {"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
+SHORT_CHAIN = {"speculative_num_steps": 1, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 2}
 TREE = {"speculative_num_steps": 3, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8}
 
 
@@ -153,10 +154,13 @@ def test_perfect_eagle_head_accepts_every_draft(perfect_llama):
     assert ids == _hf_greedy(target, PROMPTS, MAX_NEW)
 
 
-def test_perfect_nextn_accepts_every_draft(tmp_path):
+@pytest.mark.parametrize("chain", [CHAIN, SHORT_CHAIN], ids=["3-1-4", "1-1-2"])
+def test_perfect_nextn_accepts_every_draft(tmp_path, chain):
+    """steps 1: no draft loop; the verify checks the draft extend's guess alone."""
     target = make_perfect_deepseek_v3(str(tmp_path / "v3"))
-    _, accept = _greedy_with_accept_length(target, speculative_algorithm="NEXTN", **CHAIN)
-    assert accept == CHAIN["speculative_num_steps"] + 1
+    ids, accept = _greedy_with_accept_length(target, speculative_algorithm="NEXTN", **chain)
+    assert accept == chain["speculative_num_steps"] + 1
+    assert ids == _hf_greedy(target, PROMPTS, MAX_NEW)
 
 
 def _chi_square_critical(df: int, z: float = 3.09) -> float:
