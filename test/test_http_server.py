@@ -46,10 +46,17 @@ def fake_backend(**server_kwargs):
         shutil.rmtree(port_args.run_dir, ignore_errors=True)
 
 
+def warmed_up_app(tm: TokenizerManager, scheduler_info: dict):
+    """The app as it serves after launch_server's warm-up request succeeded."""
+    app = create_app(tm, scheduler_info)
+    app.state.warmed_up.set()
+    return app
+
+
 @pytest.fixture(scope="module")
 def backend():
     with fake_backend() as (tm, fake):
-        with TestClient(create_app(tm, {"context_len": CONTEXT_LEN})) as client:
+        with TestClient(warmed_up_app(tm, {"context_len": CONTEXT_LEN})) as client:
             yield client, fake
 
 
@@ -126,7 +133,7 @@ def test_stream_never_shows_a_stop_string_prefix(client):
 
 
 def test_stream_output_flag_gives_deltas():
-    with fake_backend(stream_output=True) as (tm, fake), TestClient(create_app(tm, {})) as c:
+    with fake_backend(stream_output=True) as (tm, fake), TestClient(warmed_up_app(tm, {})) as c:
         chunks = _sse(c.post("/generate", json={"text": "hi", "stream": True}))
     assert "".join(ch["text"] for ch in chunks) == REPLY
     assert sum(len(ch["output_ids"]) for ch in chunks) == len(REPLY.encode()) + 1
@@ -280,6 +287,15 @@ def test_unknown_model_is_404(client):
         assert r.status_code == 404 and "gpt-4" in r.json()["error"]["message"]
 
 
+def test_health_is_503_until_the_warm_up_finished():
+    with fake_backend() as (tm, fake), TestClient(create_app(tm, {})) as c:
+        r = c.get("/health")
+        assert r.status_code == 503 and "warm-up" in r.json()["error"]["message"]
+        assert c.post("/generate", json={"text": "hi"}).json()["text"] == REPLY  # requests are served meanwhile
+        c.app.state.warmed_up.set()
+        assert c.get("/health").status_code == 200
+
+
 def test_info_endpoints(client):
     assert client.get("/health").status_code == 200
     assert client.get("/health_generate").status_code == 200
@@ -311,7 +327,7 @@ def test_profile_endpoints(client, tmp_path):
 
 
 def test_api_key_and_metrics():
-    with fake_backend(api_key="sekret", enable_metrics=True) as (tm, fake), TestClient(create_app(tm, {})) as c:
+    with fake_backend(api_key="sekret", enable_metrics=True) as (tm, fake), TestClient(warmed_up_app(tm, {})) as c:
         for path in ("/health", "/get_model_info", "/v1/models", "/metrics"):
             r = c.get(path)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"

@@ -62,10 +62,16 @@ def create_app(tokenizer_manager: TokenizerManager, scheduler_info: dict[str, An
     _install_error_handlers(app)
     app.add_middleware(RequestGuard, api_key=server_args.api_key)
 
+    # Set once the warm-up generation succeeded: until then /health answers 503, so a client
+    # (or a readiness probe) that waits for 200 never reaches a server still starting up.
+    app.state.warmed_up = threading.Event()
+
     @app.get("/health")
     async def health() -> Response:
         if tokenizer_manager.dead_reason is not None:
             return error_response(f"Unhealthy: {tokenizer_manager.dead_reason}", 503)
+        if not app.state.warmed_up.is_set():
+            return error_response("The server is starting: its warm-up request has not finished", 503)
         return Response(status_code=200)
 
     @app.get("/health_generate")
@@ -212,7 +218,7 @@ def launch_server(server_args: ServerArgs) -> None:
         timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)
-    threading.Thread(target=_warm_up_and_announce, args=(server, server_args), daemon=True).start()
+    threading.Thread(target=_warm_up_and_announce, args=(server, server_args, app.state.warmed_up), daemon=True).start()
     try:
         server.run()
     finally:
@@ -222,7 +228,7 @@ def launch_server(server_args: ServerArgs) -> None:
         raise RuntimeError(tokenizer_manager.dead_reason)
 
 
-def _warm_up_and_announce(server: uvicorn.Server, server_args: ServerArgs) -> None:
+def _warm_up_and_announce(server: uvicorn.Server, server_args: ServerArgs, warmed_up: threading.Event) -> None:
     """Once uvicorn listens, run one tiny generation through HTTP, then announce readiness
     (or shut down if the engine cannot generate)."""
     while not server.started:
@@ -242,4 +248,5 @@ def _warm_up_and_announce(server: uvicorn.Server, server_args: ServerArgs) -> No
         logger.error("Warm-up request failed (%s); shutting down.", e)
         os.kill(os.getpid(), signal.SIGTERM)
         return
+    warmed_up.set()
     logger.info("The server is fired up and ready to roll!")

@@ -137,7 +137,10 @@ class Scheduler:
         if args.tp_size > 1:
             replica = 0 if args.enable_dp_attention or dp_rank is None else dp_rank
             addr = args.dist_init_addr or f"127.0.0.1:{port_args.nccl_ports[replica]}"
-            init_distributed(args.device, args.tp_size, tp_rank, f"tcp://{addr}", args.watchdog_timeout)
+            # Collectives time out only well after the watchdog, so a rank stuck waiting on a
+            # frozen peer is reported by the watchdog, not by a backend timeout that races it.
+            collective_timeout_s = 2 * args.watchdog_timeout
+            init_distributed(args.device, args.tp_size, tp_rank, f"tcp://{addr}", collective_timeout_s)
             initialize_model_parallel(
                 args.tp_size, tp_rank, dp_size=args.dp_size, enable_dp_attention=args.enable_dp_attention
             )
