@@ -56,6 +56,7 @@ class ServerArgs:
     schedule_policy: str = field(default="fcfs", metadata=_arg("Request ordering for prefill.", choices=("fcfs", "lpm")))
     disable_radix_cache: bool = field(default=False, metadata=_arg("Turn prefix caching off."))
     page_size: int = field(default=1, metadata=_arg("Tokens per KV page."))
+    num_continuous_decode_steps: int = field(default=1, metadata=_arg("While requests decode, prefill new ones only after this many decode steps (or speculative cycles) in a row since the last prefill; 1 prefills waiting requests at once. Fewer, larger prefills when requests arrive one by one, for up to that many steps more time to first token."))
     disable_overlap_schedule: bool = field(default=False, metadata=_arg("Wait for each step's tokens before scheduling the next one (by default the next step, or speculative cycle, is scheduled while the device runs this one)."))
     watchdog_timeout: float = field(default=300, metadata=_arg("Seconds a scheduler may be stuck in one step before the server exits."))
 
@@ -159,6 +160,8 @@ class ServerArgs:
             raise ValueError(f"--max-total-tokens must be >= 1, got {self.max_total_tokens}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError(f"--chunked-prefill-size must be -1 or positive, got {self.chunked_prefill_size}")
+        if self.num_continuous_decode_steps < 1:
+            raise ValueError(f"--num-continuous-decode-steps must be >= 1, got {self.num_continuous_decode_steps}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.watchdog_timeout <= 0:

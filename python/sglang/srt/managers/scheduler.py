@@ -115,6 +115,7 @@ class Scheduler:
 
         self.globally_idle = True
         self.iterations = 0
+        self.decode_streak = 0  # decode batches launched since the last prefill batch
         dp_label = f"DP{self.dp_rank}-" if self.dp_rank is not None else ""
         self.profiler = SchedulerProfiler(f"{dp_label}TP{tp_rank}")
         # Only the entry rank of each DP rank talks to the other processes.
@@ -281,10 +282,19 @@ class Scheduler:
     # ------------------------------------------------------------------ batching
     def get_next_batch(self) -> Optional[ScheduleBatch]:
         self.drop_aborted()
-        batch = self.get_prefill_batch()
+        batch = self.get_prefill_batch() if self.may_prefill() else None
         if batch is None and self.running:
             batch = self.get_decode_batch()
+        if batch is not None:
+            self.decode_streak = self.decode_streak + 1 if batch.mode == ForwardMode.DECODE else 0
         return batch
+
+    def may_prefill(self) -> bool:
+        """--num-continuous-decode-steps N > 1: while requests decode, a new prefill waits until
+        they have decoded N steps in a row since the last one (a chunked prompt goes on).
+        N = 1: requests that wait are prefilled at once, as without the flag."""
+        steps = self.server_args.num_continuous_decode_steps
+        return steps == 1 or not self.running or self.chunked_req is not None or self.decode_streak >= steps
 
     def drop_aborted(self) -> None:
         aborted = [r for r in self.running if r.to_abort]
