@@ -1,18 +1,20 @@
 """How many streamed tokens per second the serving path above the scheduler carries.
 
 The real HTTP server, TokenizerManager and detokenizer process, with a paced stand-in for
-the scheduler (no model): every --step-ms it sends one new token for each running request,
-in one message, as the scheduler does after each decode step. `python -m sglang.bench_serving`
+the scheduler (no model): every --step-ms it sends --tokens-per-step new tokens for each running request,
+in one message, as the scheduler does after each decode step (one token) or speculative cycle
+(the accepted drafts and the bonus token). `python -m sglang.bench_serving`
 then streams requests through /generate at each --concurrency. A fast model's decode step
 on a GPU takes well under a millisecond, so at high concurrency this path, not the GPU, can
 set the throughput; this script measures it on any machine.
 
     python benchmark/bench_serving_pipeline.py --step-ms 0.6 --concurrency 1 32
     python benchmark/bench_serving_pipeline.py --step-ms 0.6 --concurrency 32 --num-prompts 512 -- --stream-output
+    python benchmark/bench_serving_pipeline.py --step-ms 1.0 --tokens-per-step 3 --concurrency 32
 
-Per concurrency: output tok/s (the ideal is concurrency / step), mean TTFT, median TPOT, and
-the CPU microseconds per streamed token of the HTTP process (one event loop does all of
-its work) and of the detokenizer. Flags after `--` go to the server. On a small machine the
+Per concurrency: output tok/s (the ideal is concurrency x tokens per step / step), mean TTFT,
+median TPOT, and the CPU microseconds per streamed token of the HTTP process (one event loop
+does all of its work) and of the detokenizer. Flags after `--` go to the server. On a small machine the
 client and every process share few cores: compare the CPU per token between versions, not
 the throughput.
 """
@@ -37,8 +39,8 @@ MAX_TOTAL_TOKENS = 1 << 20
 
 
 # ---------------------------------------------------------------------------- server side
-def paced_scheduler(server_args, port_args, step_s: float, writer) -> None:
-    """A scheduler process stand-in: one token per running request every step_s seconds."""
+def paced_scheduler(server_args, port_args, step_s: float, tokens_per_step: int, writer) -> None:
+    """A scheduler process stand-in: tokens_per_step tokens per running request every step_s seconds."""
     import zmq
 
     from sglang.srt.managers import io_struct as io
@@ -86,21 +88,23 @@ def paced_scheduler(server_args, port_args, step_s: float, writer) -> None:
             else:
                 time.sleep(min(remaining, 1e-4))
         if running:
-            to_detokenizer.send_pyobj(_step(running))
+            to_detokenizer.send_pyobj(_step(running, tokens_per_step))
         next_step = max(next_step + step_s, time.perf_counter())  # no burst after a stall
 
 
-def _step(running: dict) -> Any:
-    """One decode step's message: a token for every running request; finished ones leave."""
+def _step(running: dict, tokens_per_step: int) -> Any:
+    """One step's message: up to tokens_per_step tokens for every running request; finished ones leave."""
     from sglang.srt.managers.io_struct import BatchTokenIDOut
 
     rids, new_ids, offsets, finished, prompt, completion = [], [], [], [], [], []
     for rid, (req, out) in list(running.items()):
-        offsets.append(len(out))
-        out.append(300 + (len(out) * 7919 + len(rid)) % 1000)  # ordinary tokens, no EOS
+        offset = len(out)
+        for _ in range(min(tokens_per_step, req.sampling_params.max_new_tokens - offset)):
+            out.append(300 + (len(out) * 7919 + len(rid)) % 1000)  # ordinary tokens, no EOS
         done = len(out) >= req.sampling_params.max_new_tokens
         rids.append(rid)
-        new_ids.append(out[-1:])
+        offsets.append(offset)
+        new_ids.append(out[offset:])
         finished.append({"type": "length", "length": len(out)} if done else None)
         prompt.append(len(req.input_ids))
         completion.append(len(out))
@@ -115,7 +119,7 @@ def _step(running: dict) -> Any:
     )
 
 
-def serve(step_s: float, server_flags: list[str]) -> None:
+def serve(step_s: float, tokens_per_step: int, server_flags: list[str]) -> None:
     """launch_server with the paced stand-in in place of the scheduler processes."""
     from sglang.srt.entrypoints import engine
     from sglang.srt.entrypoints.http_server import launch_server
@@ -123,7 +127,7 @@ def serve(step_s: float, server_flags: list[str]) -> None:
 
     def start_stand_in(server_args, port_args, ctx, subprocesses) -> list:
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=paced_scheduler, args=(server_args, port_args, step_s, writer), name="paced-scheduler")
+        proc = ctx.Process(target=paced_scheduler, args=(server_args, port_args, step_s, tokens_per_step, writer), name="paced-scheduler")
         proc.start()
         writer.close()
         subprocesses.add(proc)
@@ -169,7 +173,8 @@ def measure(server, args: argparse.Namespace, concurrency: int, bench_flags: lis
     return {
         "concurrency": concurrency,
         "step_ms": args.step_ms,
-        "ideal_tok_s": round(concurrency / args.step_ms * 1e3),
+        "tokens_per_step": args.tokens_per_step,
+        "ideal_tok_s": round(concurrency * args.tokens_per_step / args.step_ms * 1e3),
         "output_tok_s": round(metrics["output_throughput"]),
         "mean_ttft_ms": round(metrics["mean_ttft_ms"], 2),
         "median_tpot_ms": round(metrics["median_tpot_ms"], 3),
@@ -184,6 +189,7 @@ def main() -> None:
     split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--step-ms", type=float, default=0.6, help="the stand-in's decode step")
+    parser.add_argument("--tokens-per-step", type=int, default=1, help="new tokens per request per step (a speculative cycle's accepted drafts + 1)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--num-prompts", type=int, default=256, help="per concurrency above 1 (1/16 of it at 1)")
     parser.add_argument("--input-len", type=int, default=256)
@@ -194,14 +200,13 @@ def main() -> None:
     args, bench_flags = parser.parse_known_args(sys.argv[1:split])
     server_flags = sys.argv[split + 1 :]
     if args.serve:
-        serve(args.step_ms / 1e3, server_flags)
+        serve(args.step_ms / 1e3, args.tokens_per_step, server_flags)
         return
-    launcher = [os.path.abspath(__file__), "--serve", "--step-ms", str(args.step_ms), "--"]
+    if args.tokens_per_step < 1:
+        parser.error(f"--tokens-per-step must be at least 1, got {args.tokens_per_step}")
+    launcher = [os.path.abspath(__file__), "--serve", "--step-ms", str(args.step_ms), "--tokens-per-step", str(args.tokens_per_step), "--"]
     server = popen_launch_server(args.model_path, ["--device", "cpu", *server_flags], launcher=launcher)
     try:
-        # /health answers once the stand-in is up; the detokenizer may still be loading its tokenizer.
-        warm_up = {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}}
-        requests.post(f"{server.base_url}/generate", json=warm_up, timeout=300).raise_for_status()
         for concurrency in args.concurrency:
             row = measure(server, args, concurrency, bench_flags)
             print(json.dumps(row), flush=True)

@@ -201,17 +201,20 @@ def test_bench_serving_file_prompts_at_a_request_rate(server, trained, tmp_path)
     assert m["completed"] == 3 and m["total_output_tokens"] == 3 + 2 + 3 and m["total_input_tokens"] > 3
 
 
-def test_serving_pipeline_benchmark_streams_every_token(trained, tmp_path):
+@pytest.mark.parametrize("tokens_per_step", [1, 4])
+def test_serving_pipeline_benchmark_streams_every_token(trained, tmp_path, tokens_per_step):
     """The HTTP server and detokenizer over the paced scheduler stand-in: every request gets
-    its tokens, and the figures are measured (CPU time per token of both processes)."""
+    its tokens (4 per step: a speculative cycle's messages, the last one cut at the output
+    length), and the figures are measured (CPU time per token of both processes)."""
     result_file = tmp_path / "pipeline.jsonl"
     cmd = [sys.executable, os.path.join(REPO, "benchmark/bench_serving_pipeline.py"), "--model-path", trained["llama"],
-           "--step-ms", "2", "--concurrency", "1", "3", "--num-prompts", "6", "--input-len", "8", "--output-len", "6",
-           "--result-file", str(result_file)]
+           "--step-ms", "2", "--tokens-per-step", str(tokens_per_step), "--concurrency", "1", "3", "--num-prompts", "6",
+           "--input-len", "8", "--output-len", "6", "--result-file", str(result_file)]
     subprocess.run(cmd, check=True, timeout=300, capture_output=True)
     rows = [json.loads(line) for line in result_file.read_text().splitlines()]
     assert [(r["concurrency"], r["completed"], r["num_prompts"]) for r in rows] == [(1, 1, 1), (3, 6, 6)]
     for r in rows:
+        assert r["ideal_tok_s"] == r["concurrency"] * tokens_per_step * 500
         assert 0 < r["output_tok_s"] <= 1.2 * r["ideal_tok_s"] and r["mean_ttft_ms"] > 0
         assert r["http_cpu_us_per_token"] > 0 and r["detokenizer_cpu_us_per_token"] > 0
 
