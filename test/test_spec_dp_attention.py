@@ -9,8 +9,9 @@
   draft step: bs x topk; verify: bs x num_draft_tokens; draft extend: bs x (steps + 1)), one
   buffer is allocated per rank and every gather uses it.
 - A perfect NEXTN draft gives accept length exactly steps + 1 on every DP rank.
-- Over HTTP (threads, staggered arrivals), NEXTN topk 1: tokens equal the reference, per-rank
-  accept length in the `[DP1 TP1] Decode batch … accept len:` line and in internal_states.
+- Over HTTP (threads, staggered arrivals, --num-continuous-decode-steps 2), NEXTN topk 1:
+  tokens equal the reference, per-rank accept length in the `[DP1 TP1] Decode batch …
+  accept len:` line and in internal_states.
 """
 
 from __future__ import annotations
@@ -265,6 +266,8 @@ def test_http_staggered_arrivals_and_per_rank_accept_length(deepseek, deepseek_r
     spec = [f"--{k.replace('_', '-')}={v}" for k, v in CHAIN.items()]
     args = ["--device", "cpu", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--speculative-algo", "NEXTN"]
     args += spec + ["--chunked-prefill-size", str(CHUNK), "--decode-log-interval", "1", "--debug-collectives"]
+    # Each DP rank holds its late arrivals back for up to 2 cycles of its own decoding.
+    args += ["--num-continuous-decode-steps", "2"]
     server = popen_launch_server(deepseek, args)
     try:
         results: dict[str, Optional[list[int]]] = {}
