@@ -164,7 +164,7 @@ def measure(server, args: argparse.Namespace, concurrency: int, bench_flags: lis
     bench_args = bench_serving_parser().parse_args([
         "--base-url", server.base_url, "--dataset-name", "random", "--num-prompts", str(num_prompts),
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-        "--max-concurrency", str(concurrency), *bench_flags,
+        "--random-range-ratio", "1", "--max-concurrency", str(concurrency), *bench_flags,
     ])
     before = pipeline_cpu(server)
     metrics = run_benchmark(bench_args)

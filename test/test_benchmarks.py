@@ -15,6 +15,7 @@ import csv
 import importlib.util
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -179,13 +180,23 @@ def test_bench_serving_random_prompts(server, tmp_path):
     out_file = str(tmp_path / "serving.jsonl")
     args = bench_serving.get_parser().parse_args(
         ["--base-url", server.base_url, "--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "5",
-         "--max-concurrency", "2", "--output-file", out_file]
+         "--random-range-ratio", "1", "--max-concurrency", "2", "--output-file", out_file]
     )
     m = bench_serving.run_benchmark(args)
     assert m["completed"] == 4 and m["total_output_tokens"] == 20 and m["total_input_tokens"] == 32
     assert 0 < m["median_ttft_ms"] <= m["median_e2e_latency_ms"] and m["median_tpot_ms"] > 0 and m["p99_itl_ms"] > 0
     assert 1.0 <= m["accept_length"] <= 4.0 and m["server_accept_length"] is not None
     assert json.loads(open(out_file).read())["completed"] == 4
+
+
+@pytest.mark.parametrize("ratio, low", [(0.0, 1), (0.5, 32)])
+def test_bench_serving_random_lengths_follow_the_range_ratio(ratio, low):
+    args = bench_serving.get_parser().parse_args(
+        ["--num-prompts", "200", "--random-input-len", "64", "--random-output-len", "64", "--random-range-ratio", str(ratio)]
+    )
+    reqs = bench_serving.random_requests(args, vocab_size=100, rng=random.Random(0))
+    for lengths in ([len(r.payload["input_ids"]) for r in reqs], [r.output_len for r in reqs]):
+        assert low <= min(lengths) < low + 8 and 56 < max(lengths) <= 64
 
 
 def test_bench_serving_file_prompts_at_a_request_rate(server, trained, tmp_path):

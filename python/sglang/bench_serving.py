@@ -278,7 +278,10 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=128, help="also the output length of file prompts without one")
-    p.add_argument("--random-range-ratio", type=float, default=1.0, help="lengths uniform in [ratio * len, len]")
+    p.add_argument(
+        "--random-range-ratio", type=float, default=0.0,
+        help="random lengths uniform in [max(1, ratio * len), len]; 0.0 as in SGLang, 1.0 for fixed lengths",
+    )
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, help="most requests in flight")
     p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache first")
