@@ -19,7 +19,7 @@ from test_triton_kernels import NEEDS_SUBPROCESS, ON_CUDA, kernel_test, rerun_un
 
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.deepseek_rotary import DeepseekScalingRotaryEmbedding
-from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.layernorm import RMSNorm, rms_norm_pair
 from sglang.srt.layers.rotary_embedding import Llama3RotaryEmbedding, RotaryEmbedding, as_heads
 from sglang.srt.layers.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo
 from sglang.srt.layers.step_ops import argmax, store_kv
@@ -81,6 +81,40 @@ def test_rms_norm(shape, residual, dtype):
         x = _randn(*lead, hidden, dtype=dtype, seed=seed + 1, pad=7, scale=3.0)  # a column slice, as MLA's latent
         args = (x, _randn(*lead, hidden, dtype=dtype, seed=seed + 2)) if residual else (x,)
         _compare(norm, *args)
+
+
+# (leading dims, width of a, width of b, a and b column slices of one tensor as MLA's q_in and latent)
+NORM_PAIR_CASES = [((0,), 128, 64, True), ((1,), 128, 64, True), ((5,), 96, 96, False), ((2, 3), 100, 60, True)]
+if ON_CUDA:
+    NORM_PAIR_CASES += [((33,), 1536, 512, True), ((64,), 7168, 7168, False)]
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", NORM_PAIR_CASES)
+def test_rms_norm_pair(case, dtype):
+    lead, na, nb, one_tensor = case
+    norm_a, norm_b = RMSNorm(na, eps=1e-6), RMSNorm(nb, eps=1e-3)
+    norm_a.weight.data, norm_b.weight.data = _randn(na, dtype=dtype, seed=1), _randn(nb, dtype=dtype, seed=2)
+    if one_tensor:  # column slices of a projection's output [.., na + nb + 32]
+        wide = _randn(*lead, na + nb + 32, dtype=dtype, seed=3, scale=3.0)
+        a, b = wide[..., :na], wide[..., na : na + nb]
+    else:
+        a, b = _randn(*lead, na, dtype=dtype, seed=3, pad=5), _randn(*lead, nb, dtype=dtype, seed=4, scale=0.1)
+    ref = rms_norm_pair(norm_a, a, norm_b, b)
+    assert torch.equal(ref, torch.cat([norm_a.forward_native(a), norm_b.forward_native(b)], dim=-1))
+    dev_a, dev_b = copy.deepcopy(norm_a).to(DEVICE), copy.deepcopy(norm_b).to(DEVICE)
+    if ON_CUDA:
+        with contextlib.ExitStack() as stack:
+            for norm in (dev_a, dev_b):
+                stack.enter_context(mock.patch.object(norm, "forward_native", side_effect=AssertionError("took the torch path")))
+            got = rms_norm_pair(dev_a, a.to(DEVICE), dev_b, b.to(DEVICE))
+    else:
+        from sglang.srt.layers import fused_ops
+
+        got = fused_ops.rms_norm_pair(a, dev_a.weight, 1e-6, b, dev_b.weight, 1e-3)
+    assert got.shape == ref.shape and got.dtype == ref.dtype and got.is_contiguous()
+    torch.testing.assert_close(got.cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 SILU_SHAPES = [((0,), 96), ((1,), 96), ((5,), 576), ((2, 3), 100), ((2,), 1100)]

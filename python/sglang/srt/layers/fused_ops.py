@@ -51,6 +51,16 @@ def signals_dependents(device: torch.device) -> bool:
 
 
 @triton.jit
+def _weighted_rms_norm(s, w_ptr, cols, mask, n, eps):
+    """weight * rmsnorm(s) in float32 for one row s (zero past n); like RMSNorm, the norm is
+    rounded to s's dtype before the weight."""
+    h = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
+    normed = (h * rstd).to(s.dtype).to(tl.float32)
+    return normed * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     x_stride, res_stride, n, eps,
@@ -68,11 +78,32 @@ def _rms_norm_kernel(
         r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
         s = (s.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * n + cols, s, mask=mask)
-    h = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
-    normed = (h * rstd).to(s.dtype).to(tl.float32)  # RMSNorm rounds to the input dtype before the weight
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = _weighted_rms_norm(s, w_ptr, cols, mask, n, eps)
+    tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_pair_kernel(
+    a_ptr, b_ptr, wa_ptr, wb_ptr, out_ptr,
+    a_stride, b_stride, na, nb, eps_a, eps_b,
+    BLOCK: tl.constexpr, SIGNAL_DEPENDENTS: tl.constexpr,
+):
+    # Program (row, 0) norms a's row into out[row, :na], program (row, 1) b's into out[row, na:].
+    if SIGNAL_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    out_row = out_ptr + row * (na + nb)
+    if tl.program_id(1) == 0:
+        mask = cols < na
+        s = tl.load(a_ptr + row * a_stride + cols, mask=mask, other=0.0)
+        y = _weighted_rms_norm(s, wa_ptr, cols, mask, na, eps_a)
+        tl.store(out_row + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        mask = cols < nb
+        s = tl.load(b_ptr + row * b_stride + cols, mask=mask, other=0.0)
+        y = _weighted_rms_norm(s, wb_ptr, cols, mask, nb, eps_b)
+        tl.store(out_row + na + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rms_norm(
@@ -105,6 +136,24 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * rmsnorm(x + residual), x + residual), as `RMSNorm.forward_native(x, residual)`."""
     return _rms_norm(x, residual, weight, eps)
+
+
+def rms_norm_pair(
+    a: torch.Tensor, a_weight: torch.Tensor, a_eps: float, b: torch.Tensor, b_weight: torch.Tensor, b_eps: float
+) -> torch.Tensor:
+    """rms_norm(a, a_weight) ‖ rms_norm(b, b_weight) along the last dim, in one launch; a and b
+    have the same leading dims and dtype (views of one projection's columns are fine)."""
+    na, nb = a.shape[-1], b.shape[-1]
+    assert a.shape[:-1] == b.shape[:-1] and a.dtype == b.dtype and a_weight.dtype == b_weight.dtype
+    out = torch.empty((*a.shape[:-1], na + nb), dtype=torch.promote_types(a_weight.dtype, a.dtype), device=a.device)
+    a2, b2 = _rows(a, na), _rows(b, nb)
+    if a2.shape[0]:
+        block = triton.next_power_of_2(max(na, nb))
+        _rms_norm_pair_kernel[(a2.shape[0], 2)](
+            a2, b2, a_weight, b_weight, out, a2.stride(0), b2.stride(0), na, nb, a_eps, b_eps,
+            BLOCK=block, SIGNAL_DEPENDENTS=signals_dependents(a.device), num_warps=_num_warps(block),
+        )
+    return out
 
 
 # ---------------------------------------------------------------------- SiLU and mul

@@ -40,3 +40,12 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         out = self.weight * h.to(dtype)
         return out if residual is None else (out, residual)
+
+
+def rms_norm_pair(norm_a: RMSNorm, a: torch.Tensor, norm_b: RMSNorm, b: torch.Tensor) -> torch.Tensor:
+    """norm_a(a) ‖ norm_b(b) along the last dim: one kernel on CUDA instead of two norms and a cat."""
+    if a.is_cuda:
+        from sglang.srt.layers import fused_ops  # triton ships with CUDA builds of torch
+
+        return fused_ops.rms_norm_pair(a, norm_a.weight, norm_a.variance_epsilon, b, norm_b.weight, norm_b.variance_epsilon)
+    return torch.cat([norm_a.forward_native(a), norm_b.forward_native(b)], dim=-1)

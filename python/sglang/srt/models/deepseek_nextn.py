@@ -24,7 +24,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from sglang.srt.distributed.parallel_state import get_attn_tp
-from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.layernorm import RMSNorm, rms_norm_pair
 from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -75,7 +75,7 @@ class DeepseekModelNextN(nn.Module):
         """Final-norm hidden states [T, hidden] of the draft."""
         embeds = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         target_hidden = forward_batch.spec_info.hidden_states.to(embeds.dtype)
-        hidden = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(target_hidden)], dim=-1))
+        hidden = self.eh_proj(rms_norm_pair(self.enorm, embeds, self.hnorm, target_hidden))
         hidden, residual = self.decoder(positions, hidden, forward_batch, None)
         hidden, _ = self.shared_head.norm(hidden, residual)
         return hidden

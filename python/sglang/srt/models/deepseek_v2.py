@@ -26,7 +26,7 @@ from transformers import PretrainedConfig
 
 from sglang.srt.distributed.parallel_state import get_attn_tp, tensor_model_parallel_all_reduce
 from sglang.srt.layers.deepseek_rotary import mla_rope_pack, yarn_get_mscale
-from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.layernorm import RMSNorm, rms_norm_pair
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -214,10 +214,14 @@ class DeepseekV2Attention(nn.Module):
         q_in, latent, k_pe = linear(hidden_states, self.q_kv_a_weight, self.q_kv_a_bias).split(
             [self.q_in_size, self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
         )
-        q = self.q_b_proj(self.q_a_layernorm(q_in)) if self.q_lora_rank else q_in
+        if self.q_lora_rank:
+            normed = rms_norm_pair(self.q_a_layernorm, q_in, self.kv_a_layernorm, latent)
+            q_in, latent = normed.split([self.q_lora_rank, self.kv_lora_rank], dim=-1)
+            q = self.q_b_proj(q_in)
+        else:
+            q, latent = q_in, self.kv_a_layernorm(latent)
         q = q.view(num_tokens, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)  # no -1: T may be 0
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)
         w_uk, w_uv = self._absorbed_weights()
         # q = (q_nope @ W_UK) ‖ rope(q_pe): the matmul and the rope step write their own channels.
         q_full = q.new_empty((num_tokens, self.num_heads, self.kv_lora_rank + self.qk_rope_head_dim))
