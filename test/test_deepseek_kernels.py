@@ -16,6 +16,7 @@ test_triton_kernels); without triton the kernel tests are skipped.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from unittest import mock
 
@@ -34,6 +35,7 @@ from test_triton_kernels import (  # noqa: E402  (patches the interpreter for Nu
 )
 
 from sglang.srt.layers.deepseek_rotary import DeepseekScalingRotaryEmbedding, mla_rope_pack, yarn_inv_freq  # noqa: E402
+from sglang.srt.layers.layernorm import RMSNorm  # noqa: E402
 from sglang.srt.layers.moe.fused_moe import moe_forward_native  # noqa: E402
 from sglang.srt.layers.moe.kernel_config import GemmTile, MoeKernelConfig  # noqa: E402
 from sglang.srt.layers.moe.topk import RoutingConfig, select_experts  # noqa: E402
@@ -81,14 +83,20 @@ def _rope_modules(neox: bool) -> list[RotaryEmbedding]:
 @pytest.mark.parametrize("num_tokens", [0, 1, 5])
 @pytest.mark.parametrize("neox", [False, True])
 @pytest.mark.parametrize("broadcast", [False, True], ids=["positions", "one position for all"])
-def test_mla_rope_pack_matches_rope_and_cat(broadcast, neox, num_tokens, dtype):
+@pytest.mark.parametrize("norm", [False, True], ids=["raw latent", "latent normed in the kernel"])
+def test_mla_rope_pack_matches_rope_and_cat(norm, broadcast, neox, num_tokens, dtype):
     """broadcast: the positions are one position expanded (stride 0), as a draft step's topk
-    guesses of one request have them."""
+    guesses of one request have them. norm: kv_a_layernorm applied to the latent first."""
     heads, nope, rot, latent_dim = 3, 8, 16, 24
     gen = torch.Generator().manual_seed(num_tokens)
     q = torch.randn(num_tokens, heads, nope + rot, generator=gen).to(dtype)
     kv = torch.randn(num_tokens, latent_dim + rot, generator=gen).to(dtype)
-    latent = torch.randn(num_tokens, latent_dim, generator=gen).to(dtype)
+    latent = (torch.randn(num_tokens, latent_dim + 5, generator=gen) * 3).to(dtype)[:, :latent_dim]  # a column slice
+    latent_norm = None
+    if norm:
+        latent_norm = RMSNorm(latent_dim, eps=1e-6)
+        latent_norm.weight.data = torch.randn(latent_dim, generator=gen).to(dtype)
+    want_latent = latent if latent_norm is None else latent_norm.forward_native(latent)
     positions = torch.randint(0, 256, (num_tokens,), generator=gen)
     if broadcast:
         positions = torch.randint(0, 256, (1, 1), generator=gen).expand(1, num_tokens).flatten()
@@ -96,22 +104,32 @@ def test_mla_rope_pack_matches_rope_and_cat(broadcast, neox, num_tokens, dtype):
         q_rot, k_rot = rope.forward_native(positions, q[..., nope:], kv[:, latent_dim:].unsqueeze(1))
         dev = lambda x: x.to(DEVICE)  # noqa: E731
         q_out = torch.full((num_tokens, heads, latent_dim + rot), 7.0, dtype=dtype, device=DEVICE)
-        k_out = mla_rope_pack(
-            rope.to(DEVICE), dev(positions), dev(q)[..., nope:], dev(kv)[:, latent_dim:], dev(latent), q_out
-        ) if ON_CUDA else _interpreted_pack(rope, positions, q[..., nope:], kv[:, latent_dim:], latent, q_out)
+        if ON_CUDA:
+            dev_norm = None if latent_norm is None else copy.deepcopy(latent_norm).to(DEVICE)
+            k_out = mla_rope_pack(
+                rope.to(DEVICE), dev(positions), dev(q)[..., nope:], dev(kv)[:, latent_dim:], dev(latent), q_out,
+                latent_norm=dev_norm,
+            )
+        else:
+            k_out = _interpreted_pack(
+                rope, positions, q[..., nope:], kv[:, latent_dim:], latent, q_out, latent_norm=latent_norm
+            )
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(q_out[..., latent_dim:].cpu(), q_rot, atol=tol, rtol=tol)
         assert torch.all(q_out[..., :latent_dim] == 7.0)  # the caller's channels are left alone
-        torch.testing.assert_close(k_out.cpu(), torch.cat([latent, k_rot.squeeze(1)], dim=-1), atol=tol, rtol=tol)
+        torch.testing.assert_close(k_out.cpu(), torch.cat([want_latent, k_rot.squeeze(1)], dim=-1), atol=tol, rtol=tol)
 
 
-def _interpreted_pack(rope, positions, q_pe, k_pe, latent, q_out, kv_store=None) -> torch.Tensor | None:
+def _interpreted_pack(
+    rope, positions, q_pe, k_pe, latent, q_out, kv_store=None, latent_norm=None
+) -> torch.Tensor | None:
     """The Triton path on CPU tensors (mla_rope_pack dispatches on is_cuda)."""
     from sglang.srt.layers.mla_triton import mla_rope_pack_triton
 
     scale = rope.mscale if isinstance(rope, DeepseekScalingRotaryEmbedding) else 1.0
+    norm = None if latent_norm is None else (latent_norm.weight, latent_norm.variance_epsilon)
     return mla_rope_pack_triton(
-        positions, q_pe, k_pe, latent, q_out, rope.cos_sin_cache, scale, rope.is_neox_style, kv_store
+        positions, q_pe, k_pe, latent, q_out, rope.cos_sin_cache, scale, rope.is_neox_style, kv_store, norm
     )
 
 
@@ -166,10 +184,10 @@ def test_deepseek_with_the_latent_stored_by_rope_matches_plain(tmp_path):
     ref_logits, ref_tokens = run(rope_stores=False)
     stores = [0]
 
-    def kernel_stores(rope, positions, q_pe, k_pe, latent, q_out, kv_store=None):
-        assert kv_store is not None
+    def kernel_stores(rope, positions, q_pe, k_pe, latent, q_out, kv_store=None, latent_norm=None):
+        assert kv_store is not None and latent_norm is not None  # the kernel norms the latent too
         stores[0] += 1
-        return _interpreted_pack(rope, positions, q_pe, k_pe, latent, q_out, kv_store)
+        return _interpreted_pack(rope, positions, q_pe, k_pe, latent, q_out, kv_store, latent_norm)
 
     with mock.patch("sglang.srt.models.deepseek_v2.mla_rope_pack", kernel_stores):
         logits, tokens = run(rope_stores=True)

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, as_heads
 
 
@@ -135,6 +136,7 @@ def mla_rope_pack(
     latent: torch.Tensor,
     q_out: torch.Tensor,
     kv_store: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    latent_norm: Optional[RMSNorm] = None,
 ) -> Optional[torch.Tensor]:
     """MLA's attention inputs from one rope step.
 
@@ -145,7 +147,8 @@ def mla_rope_pack(
 
     kv_store = (one layer's MLA pool buffer [slots, 1, L + R], loc [T]): k is stored into the
     buffer's rows loc instead, cast to its dtype (as the pool's set_kv_buffer stores it), and
-    None is returned; on CUDA in the same launch.
+    None is returned; on CUDA in the same launch. latent_norm (kv_a_layernorm) norms the
+    latent first, on CUDA in the same launch too.
     """
     latent_dim, rot = latent.shape[-1], q_pe.shape[-1]
     assert rope.rotary_dim == rope.head_size == rot and q_out.shape[-1] == latent_dim + rot
@@ -153,9 +156,12 @@ def mla_rope_pack(
         from sglang.srt.layers.mla_triton import mla_rope_pack_triton  # triton ships with CUDA builds of torch
 
         scale = rope.mscale if isinstance(rope, DeepseekScalingRotaryEmbedding) else 1.0
+        norm = None if latent_norm is None else (latent_norm.weight, latent_norm.variance_epsilon)
         return mla_rope_pack_triton(
-            positions, q_pe, k_pe, latent, q_out, rope.cos_sin_cache, scale, rope.is_neox_style, kv_store
+            positions, q_pe, k_pe, latent, q_out, rope.cos_sin_cache, scale, rope.is_neox_style, kv_store, norm
         )
+    if latent_norm is not None:
+        latent = latent_norm.forward_native(latent)
     q_rot, k_rot = rope.forward_native(positions, q_pe, k_pe.unsqueeze(1))
     q_out[..., latent_dim:] = q_rot
     k = torch.cat([latent, k_rot.squeeze(1)], dim=-1)

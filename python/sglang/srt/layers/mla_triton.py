@@ -4,8 +4,9 @@ launches for 0 rows.
 
 `mla_rope_pack_triton` (deepseek_rotary.mla_rope_pack dispatches here): program (t, h)
 rotates q head h of token t into q_out[t, h, L:]; program (t, H) writes k[t] = latent[t] ‖
-rope(k_pe[t]), into a new tensor or straight into the KV pool's rows. One launch where the
-RoPE kernel, two concatenations and the pool's store took four. cos/sin are the rotary
+rope(k_pe[t]), into a new tensor or straight into the KV pool's rows, and can RMS-norm the
+latent first (kv_a_layernorm). One launch where the norm, the RoPE kernel, two
+concatenations and the pool's store took five. cos/sin are the rotary
 module's table row of the position times `scale`, and the rotation is fused_ops' own, so
 every value equals the rope module's forward_triton.
 
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.fused_ops import _rotate_head
+from sglang.srt.layers.fused_ops import _rotate_head, _weighted_rms_norm
 
 HEAD_MATMUL_MAX_TOKENS = 16  # one tl.dot row tile; larger batches take torch.bmm
 
@@ -30,13 +31,14 @@ HEAD_MATMUL_MAX_TOKENS = 16  # one tl.dot row tile; larger batches take torch.bm
 @triton.jit
 def _mla_rope_pack_kernel(
     pos_ptr, cos_sin_ptr, cs_stride, scale,
-    q_pe_ptr, k_pe_ptr, latent_ptr, q_out, k_out, k_loc_ptr,
+    q_pe_ptr, k_pe_ptr, latent_ptr, q_out, k_out, k_loc_ptr, norm_w_ptr, norm_eps,
     q_pe_stride_t, q_pe_stride_h, k_pe_stride_t, latent_stride_t, q_out_stride_t, q_out_stride_h,
     num_heads,
-    LATENT: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, AT_LOC: tl.constexpr,
+    LATENT: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, AT_LOC: tl.constexpr, NORM_LATENT: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_LATENT: tl.constexpr,
 ):
-    # k[t] goes to row t of k_out, or (AT_LOC) to row k_loc[t] of a KV pool's layer buffer.
+    # k[t] goes to row t of k_out, or (AT_LOC) to row k_loc[t] of a KV pool's layer buffer;
+    # NORM_LATENT: its latent part is norm_w * rmsnorm(latent[t]).
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = tl.load(pos_ptr + t).to(tl.int64)
@@ -52,7 +54,9 @@ def _mla_rope_pack_kernel(
         _rotate_head(k_pe_ptr + t * k_pe_stride_t, k_row + LATENT, cos, sin, ROT, ROT, NEOX, BLOCK_HALF, 1)
         cols = tl.arange(0, BLOCK_LATENT)
         valid = cols < LATENT
-        latent = tl.load(latent_ptr + t * latent_stride_t + cols, mask=valid)
+        latent = tl.load(latent_ptr + t * latent_stride_t + cols, mask=valid, other=0.0)
+        if NORM_LATENT:
+            latent = _weighted_rms_norm(latent, norm_w_ptr, cols, valid, LATENT, norm_eps)
         tl.store(k_row + cols, latent.to(k_out.dtype.element_ty), mask=valid)
 
 
@@ -66,12 +70,14 @@ def mla_rope_pack_triton(
     scale: float,
     is_neox_style: bool,
     kv_store: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    latent_norm: Optional[tuple[torch.Tensor, float]] = None,
 ) -> Optional[torch.Tensor]:
     """See deepseek_rotary.mla_rope_pack; cos_sin_cache [P, R] is cos | sin halves, float32.
 
     kv_store = (one layer's MLA pool buffer [slots, 1, L + R] contiguous, loc [T] slots):
     k[t] is written to the buffer's row loc[t], cast to its dtype, and nothing is returned
-    (the launch that stored k in the pool is saved)."""
+    (the launch that stored k in the pool is saved). latent_norm = (weight [L], eps): the
+    latent is RMS-normed first, rounded as RMSNorm rounds (the norm's launch is saved)."""
     num_tokens, num_heads, rot = q_pe.shape
     latent_dim = latent.shape[-1]
     assert q_pe.stride(-1) == k_pe.stride(-1) == latent.stride(-1) == q_out.stride(-1) == 1
@@ -85,10 +91,11 @@ def mla_rope_pack_triton(
     if num_tokens:
         _mla_rope_pack_kernel[(num_tokens, num_heads + 1)](
             positions.contiguous(), cos_sin_cache, cos_sin_cache.stride(0), scale,
-            q_pe, k_pe, latent, q_out, k_out, k_loc,
+            q_pe, k_pe, latent, q_out, k_out, k_loc, *(latent_norm or (latent, 0.0)),
             q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), latent.stride(0), q_out.stride(0), q_out.stride(1),
             num_heads,
             LATENT=latent_dim, ROT=rot, NEOX=is_neox_style, AT_LOC=kv_store is not None,
+            NORM_LATENT=latent_norm is not None,
             BLOCK_HALF=triton.next_power_of_2(rot // 2), BLOCK_LATENT=triton.next_power_of_2(latent_dim),
             num_warps=1,
         )

@@ -26,7 +26,7 @@ from transformers import PretrainedConfig
 
 from sglang.srt.distributed.parallel_state import get_attn_tp, tensor_model_parallel_all_reduce
 from sglang.srt.layers.deepseek_rotary import mla_rope_pack, yarn_get_mscale
-from sglang.srt.layers.layernorm import RMSNorm, rms_norm_pair
+from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -214,24 +214,22 @@ class DeepseekV2Attention(nn.Module):
         q_in, latent, k_pe = linear(hidden_states, self.q_kv_a_weight, self.q_kv_a_bias).split(
             [self.q_in_size, self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
         )
-        if self.q_lora_rank:
-            normed = rms_norm_pair(self.q_a_layernorm, q_in, self.kv_a_layernorm, latent)
-            q_in, latent = normed.split([self.q_lora_rank, self.kv_lora_rank], dim=-1)
-            q = self.q_b_proj(q_in)
-        else:
-            q, latent = q_in, self.kv_a_layernorm(latent)
+        q = self.q_b_proj(self.q_a_layernorm(q_in)) if self.q_lora_rank else q_in
         q = q.view(num_tokens, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)  # no -1: T may be 0
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         w_uk, w_uv = self._absorbed_weights()
-        # q = (q_nope @ W_UK) ‖ rope(q_pe): the matmul and the rope step write their own channels.
+        # q = (q_nope @ W_UK) ‖ rope(q_pe): the matmul and the rope step write their own channels;
+        # the rope step norms the raw latent (kv_a_layernorm) on its way to k.
         q_full = q.new_empty((num_tokens, self.num_heads, self.kv_lora_rank + self.qk_rope_head_dim))
         head_matmul(q_nope, w_uk, q_full[..., : self.kv_lora_rank])
         if rope_stores_kv(q_full, forward_batch, MLATokenToKVPool):
             kv_store = (forward_batch.token_to_kv_pool.get_kv_buffer(self.attn.layer_id), forward_batch.out_cache_loc)
-            mla_rope_pack(self.rotary_emb, positions, q_pe, k_pe, latent, q_full, kv_store)
+            mla_rope_pack(self.rotary_emb, positions, q_pe, k_pe, latent, q_full, kv_store, self.kv_a_layernorm)
             o_latent = self.attn(q_full.flatten(1), None, None, forward_batch)  # the latent is read from the pool
         else:
-            k_full = mla_rope_pack(self.rotary_emb, positions, q_pe, k_pe, latent, q_full)  # [T, L + R], as pooled
+            k_full = mla_rope_pack(  # [T, L + R], as pooled
+                self.rotary_emb, positions, q_pe, k_pe, latent, q_full, latent_norm=self.kv_a_layernorm
+            )
             o_latent = self.attn(q_full.flatten(1), k_full, k_full[:, : self.kv_lora_rank], forward_batch)
         o_latent = o_latent.view(num_tokens, self.num_heads, self.kv_lora_rank)
         o = o_latent.new_empty((num_tokens, self.num_heads, self.v_head_dim))
