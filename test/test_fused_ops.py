@@ -107,7 +107,8 @@ def test_rms_norm_pair(case, dtype):
     if ON_CUDA:
         with contextlib.ExitStack() as stack:
             for norm in (dev_a, dev_b):
-                stack.enter_context(mock.patch.object(norm, "forward_native", side_effect=AssertionError("took the torch path")))
+                torch_path = AssertionError("CUDA input took the torch path")
+                stack.enter_context(mock.patch.object(norm, "forward_native", side_effect=torch_path))
             got = rms_norm_pair(dev_a, a.to(DEVICE), dev_b, b.to(DEVICE))
     else:
         from sglang.srt.layers import fused_ops

@@ -47,5 +47,6 @@ def rms_norm_pair(norm_a: RMSNorm, a: torch.Tensor, norm_b: RMSNorm, b: torch.Te
     if a.is_cuda:
         from sglang.srt.layers import fused_ops  # triton ships with CUDA builds of torch
 
-        return fused_ops.rms_norm_pair(a, norm_a.weight, norm_a.variance_epsilon, b, norm_b.weight, norm_b.variance_epsilon)
+        eps_a, eps_b = norm_a.variance_epsilon, norm_b.variance_epsilon
+        return fused_ops.rms_norm_pair(a, norm_a.weight, eps_a, b, norm_b.weight, eps_b)
     return torch.cat([norm_a.forward_native(a), norm_b.forward_native(b)], dim=-1)
