@@ -181,6 +181,18 @@ def test_scheduler_death_shuts_the_server_down(tiny_llama_dir):
         kill_server(proc)
 
 
+def test_skip_server_warmup(tiny_llama_dir):
+    """Healthy before any generation ran (the warm-up's prefill is not in the log); serves then."""
+    proc = popen_launch_server(tiny_llama_dir, ["--device", "cpu", "--skip-server-warmup"])
+    try:
+        assert "Warm-up skipped" in proc.log_tail() and "Prefill batch" not in proc.log_tail()
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+        assert len(requests.post(proc.base_url + "/generate", json=body, timeout=60).json()["output_ids"]) == 3
+        assert "Prefill batch" in proc.log_tail()
+    finally:
+        kill_server(proc)
+
+
 # ---------------------------------------------------------------------- SmolLM2
 @pytest.fixture(scope="module")
 def smollm2_server():

@@ -46,6 +46,7 @@ class ServerArgs:
     port: int = field(default=30000, metadata=_arg("HTTP port."))
     api_key: Optional[str] = field(default=None, metadata=_arg("Require this key as a Bearer token on every endpoint."))
     stream_output: bool = field(default=False, metadata=_arg("Stream only the new text of each chunk (SGLang's stream_output)."))
+    skip_server_warmup: bool = field(default=False, metadata=_arg("Skip the warm-up generation at startup: /health answers 200 as soon as HTTP is up."))
 
     # Memory and scheduling
     mem_fraction_static: Optional[float] = field(default=None, metadata=_arg("Fraction of GPU memory for weights and KV cache."))

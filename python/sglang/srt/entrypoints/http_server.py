@@ -62,8 +62,8 @@ def create_app(tokenizer_manager: TokenizerManager, scheduler_info: dict[str, An
     _install_error_handlers(app)
     app.add_middleware(RequestGuard, api_key=server_args.api_key)
 
-    # Set once the warm-up generation succeeded: until then /health answers 503, so a client
-    # (or a readiness probe) that waits for 200 never reaches a server still starting up.
+    # Set once the warm-up generation succeeded (or was skipped): until then /health answers 503,
+    # so a client (or a readiness probe) that waits for 200 never reaches a server starting up.
     app.state.warmed_up = threading.Event()
 
     @app.get("/health")
@@ -229,12 +229,16 @@ def launch_server(server_args: ServerArgs) -> None:
 
 
 def _warm_up_and_announce(server: uvicorn.Server, server_args: ServerArgs, warmed_up: threading.Event) -> None:
-    """Once uvicorn listens, run one tiny generation through HTTP, then announce readiness
-    (or shut down if the engine cannot generate)."""
+    """Once uvicorn listens, run one tiny generation through HTTP (unless --skip-server-warmup),
+    then announce readiness (or shut down if the engine cannot generate)."""
     while not server.started:
         if server.should_exit:
             return
         time.sleep(0.05)
+    if server_args.skip_server_warmup:
+        logger.info("Warm-up skipped (--skip-server-warmup); the server is ready.")
+        warmed_up.set()
+        return
     headers = {"Content-Type": "application/json"}
     if server_args.api_key:
         headers["Authorization"] = f"Bearer {server_args.api_key}"
