@@ -46,6 +46,7 @@ class ServerArgs:
     port: int = field(default=30000, metadata=_arg("HTTP port."))
     api_key: Optional[str] = field(default=None, metadata=_arg("Require this key as a Bearer token on every endpoint."))
     stream_output: bool = field(default=False, metadata=_arg("Stream only the new text of each chunk (SGLang's stream_output)."))
+    stream_interval: int = field(default=1, metadata=_arg("Send a streaming request's new tokens once this many have gathered (its first token at once): fewer, larger chunks."))
     skip_server_warmup: bool = field(default=False, metadata=_arg("Skip the warm-up generation at startup: /health answers 200 as soon as HTTP is up."))
 
     # Memory and scheduling
@@ -161,6 +162,8 @@ class ServerArgs:
             raise ValueError(f"--max-total-tokens must be >= 1, got {self.max_total_tokens}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError(f"--chunked-prefill-size must be -1 or positive, got {self.chunked_prefill_size}")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if self.num_continuous_decode_steps < 1:
             raise ValueError(f"--num-continuous-decode-steps must be >= 1, got {self.num_continuous_decode_steps}")
         if self.page_size < 1:

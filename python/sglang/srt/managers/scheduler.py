@@ -407,9 +407,14 @@ class Scheduler:
             if req.finished:
                 self.finish(req)
                 out.append(req)
-            elif req.stream and result.next_token_ids[i]:
+            elif req.stream and result.next_token_ids[i] and self.due_for_streaming(req):
                 out.append(req)
         self.stream_output(out)
+
+    def due_for_streaming(self, req: Req) -> bool:
+        """--stream-interval N: a streaming request's new tokens go out once N have gathered; its
+        first token goes out at once, the rest with its finish at the latest."""
+        return req.streamed_len == 0 or len(req.output_ids) - req.streamed_len >= self.server_args.stream_interval
 
     def check_sub_forwards(self, plan: GlobalPlan) -> None:
         """--debug-collectives: the speculative sub-forwards this rank ran are exactly the planned

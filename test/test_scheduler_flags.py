@@ -1,6 +1,9 @@
-"""--num-continuous-decode-steps: requests arriving one by one while others decode are
-prefilled together after that many decode steps, with the same tokens (in-process scheduler,
-tiny random Llama, CPU, float32)."""
+"""Scheduler flags that change when work happens, not what it produces (in-process scheduler,
+tiny random Llama, CPU, float32):
+- --num-continuous-decode-steps: requests arriving one by one while others decode are
+  prefilled together after that many decode steps, with the same tokens;
+- --stream-interval: a streaming request's tokens go out in chunks of that many (the first
+  token at once), with the same tokens."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
-from sglang.test.inprocess_scheduler import start_scheduler
+from sglang.test.inprocess_scheduler import DetokenizerStub, start_scheduler
 
 LATE_ARRIVALS = 6
 
@@ -54,6 +57,42 @@ def test_late_arrivals_are_prefilled_together_with_the_same_tokens(tiny_llama_di
         assert after - before > 4  # 4 decode steps between two prefills while r0 decodes
 
 
-def test_the_flag_must_be_positive():
+def test_num_continuous_decode_steps_must_be_positive():
     with pytest.raises(ValueError, match="--num-continuous-decode-steps"):
         ServerArgs(model_path="m", device="cpu", num_continuous_decode_steps=0)
+
+
+class ChunkRecorder(DetokenizerStub):
+    """Also keeps the number of new ids of every message."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunks: list[int] = []
+
+    def send_pyobj(self, msg) -> None:
+        self.chunks += [len(ids) for ids in msg.output_ids]
+        super().send_pyobj(msg)
+
+
+def _streamed_chunks(path: str, interval: int) -> tuple[list[int], list[int]]:
+    args = ServerArgs(model_path=path, device="cpu", dtype="float32", stream_interval=interval)
+    scheduler = start_scheduler(args)
+    scheduler.send_to_detokenizer = recorder = ChunkRecorder()
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    scheduler.handle_message(TokenizedGenerateReqInput("r0", None, [5, 17, 42], params, stream=True))
+    for _ in range(40):
+        scheduler.run_iteration()
+        if "r0" in recorder.finished and scheduler.globally_idle:
+            return recorder.finished["r0"], recorder.chunks
+    raise AssertionError("the request did not finish")
+
+
+def test_stream_interval_sends_the_same_tokens_in_fewer_chunks(tiny_llama_dir):
+    tokens, chunks = _streamed_chunks(tiny_llama_dir, 1)
+    assert chunks == [1] * 10
+    assert _streamed_chunks(tiny_llama_dir, 4) == (tokens, [1, 4, 4, 1])  # the first at once, the rest at the finish
+
+
+def test_stream_interval_must_be_positive():
+    with pytest.raises(ValueError, match="--stream-interval"):
+        ServerArgs(model_path="m", device="cpu", stream_interval=0)
