@@ -92,18 +92,15 @@ def _rms_norm_pair_kernel(
     if SIGNAL_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    out_row = out_ptr + row * (na + nb)
-    if tl.program_id(1) == 0:
-        mask = cols < na
-        s = tl.load(a_ptr + row * a_stride + cols, mask=mask, other=0.0)
-        y = _weighted_rms_norm(s, wa_ptr, cols, mask, na, eps_a)
-        tl.store(out_row + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    second = tl.program_id(1)
+    if second == 0:
+        x_row, w_ptr, n, eps = a_ptr + row * a_stride, wa_ptr, na, eps_a
     else:
-        mask = cols < nb
-        s = tl.load(b_ptr + row * b_stride + cols, mask=mask, other=0.0)
-        y = _weighted_rms_norm(s, wb_ptr, cols, mask, nb, eps_b)
-        tl.store(out_row + na + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        x_row, w_ptr, n, eps = b_ptr + row * b_stride, wb_ptr, nb, eps_b
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    y = _weighted_rms_norm(tl.load(x_row + cols, mask=mask, other=0.0), w_ptr, cols, mask, n, eps)
+    tl.store(out_ptr + row * (na + nb) + second * na + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rms_norm(
