@@ -44,16 +44,29 @@ def server_flags(args: argparse.Namespace, config: Config) -> list[str]:
     ]
 
 
+def count_prefill_batches(server_log: str) -> int:
+    """The scheduler's "Prefill batch." log lines so far (every prefill stops the decoding batch)."""
+    with open(server_log, errors="replace") as f:
+        return sum("Prefill batch." in line for line in f)
+
+
 def run_one(
     args: argparse.Namespace, bench_args: argparse.Namespace, server_argv: list[str], config: Config
 ) -> list[tuple[Config, dict[str, Any]]]:
-    """One server with `config`; the workload once per concurrency (cache flushed before each)."""
+    """One server with `config`; per concurrency the workload --warmup-passes times unrecorded (every
+    kernel variant its batches need compiles outside the measurement), then once recorded; the
+    cache is flushed before each pass."""
     server = popen_launch_server(args.model_path, [*server_flags(args, config), *server_argv], timeout=args.launch_timeout)
     try:
         rows = []
         for concurrency in args.concurrencies or [bench_args.max_concurrency]:
             run_args = argparse.Namespace(**{**vars(bench_args), "base_url": server.base_url, "max_concurrency": concurrency, "flush_cache": True})
-            rows.append((config, run_benchmark(run_args)))
+            for _ in range(args.warmup_passes):
+                run_benchmark(argparse.Namespace(**{**vars(run_args), "output_file": None}))
+            prefills_before = count_prefill_batches(server.log_path)
+            metrics = run_benchmark(run_args)
+            metrics["prefill_batches"] = count_prefill_batches(server.log_path) - prefills_before
+            rows.append((config, metrics))
         return rows
     finally:
         kill_server(server)
@@ -63,8 +76,8 @@ def table(rows: list[tuple[Config, dict[str, Any]]]) -> str:
     """Markdown; speed-up is output throughput over the baseline's at the same concurrency."""
     baseline = {m["max_concurrency"]: m["output_throughput"] for c, m in rows if c is None}
     lines = [
-        "| steps | topk | draft tokens | concurrency | accept length | output tok/s | median TPOT (ms) | speed-up |",
-        "|---|---|---|---|---|---|---|---|",
+        "| steps | topk | draft tokens | concurrency | accept length | output tok/s | median TPOT (ms) | prefill batches | speed-up |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for config, m in rows:
         steps, topk, draft = config or ("-", "-", "-")
@@ -73,7 +86,7 @@ def table(rows: list[tuple[Config, dict[str, Any]]]) -> str:
         speedup = f"{m['output_throughput'] / base:.2f}x" if base else "-"
         lines.append(
             f"| {steps} | {topk} | {draft} | {m['max_concurrency'] or '-'} | {accept} | {m['output_throughput']:.1f} | "
-            f"{m.get('median_tpot_ms', float('nan')):.2f} | {speedup} |"
+            f"{m.get('median_tpot_ms', float('nan')):.2f} | {m.get('prefill_batches', '-')} | {speedup} |"
         )
     return "\n".join(lines)
 
@@ -90,6 +103,7 @@ def main(argv: Optional[list[str]] = None) -> str:
     p.add_argument("--baseline", action="store_true", help="also run without speculation")
     p.add_argument("--concurrencies", type=int, nargs="+", help="run the workload at each of these --max-concurrency")
     p.add_argument("--launch-timeout", type=float, default=900.0)
+    p.add_argument("--warmup-passes", type=int, default=1, help="unrecorded runs of the workload before each recorded one")
     args, bench_argv = p.parse_known_args(argv)
     bench_args = bench_parser().parse_args(bench_argv)
     configs: list[Config] = ([None] if args.baseline else []) + list(args.configs)

@@ -250,10 +250,18 @@ def test_spec_sweep_table():
 
     rows = [(None, row(None, 100.0, 10.0, 1)), (None, row(None, 900.0, 30.0, 32)),
             ((3, 1, 4), row(2.5, 180.0, 5.5, 1)), ((3, 1, 4), row(2.5, 1350.0, 20.0, 32))]
+    rows[3][1]["prefill_batches"] = 7
     lines = sweep.table(rows).splitlines()
-    assert lines[2] == "| - | - | - | 1 | - | 100.0 | 10.00 | 1.00x |"
-    assert lines[4] == "| 3 | 1 | 4 | 1 | 2.50 | 180.0 | 5.50 | 1.80x |"
-    assert lines[5] == "| 3 | 1 | 4 | 32 | 2.50 | 1350.0 | 20.00 | 1.50x |"
+    assert lines[2] == "| - | - | - | 1 | - | 100.0 | 10.00 | - | 1.00x |"
+    assert lines[4] == "| 3 | 1 | 4 | 1 | 2.50 | 180.0 | 5.50 | - | 1.80x |"
+    assert lines[5] == "| 3 | 1 | 4 | 32 | 2.50 | 1350.0 | 20.00 | 7 | 1.50x |"
+
+
+def test_spec_sweep_counts_prefill_batches(tmp_path):
+    sweep = _load_script("benchmark/spec_sweep.py")
+    log = tmp_path / "server.log"
+    log.write_text("x Prefill batch. #new-seq: 2\nx Decode batch.\nx Prefill batch. #new-seq: 1\n")
+    assert sweep.count_prefill_batches(str(log)) == 2
 
 
 def test_host_overhead_counts_ops_by_part():
