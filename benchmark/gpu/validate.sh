@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # GPU validation and measurements, run on the device machine from the project root:
-#   source .device/env.sh && bash benchmark/gpu/validate.sh STAGE
-# Logs go to $OUT (or ./gpu-logs). Each step has its own time limit and failures do not stop
-# the stages that follow.
+#   source .device/env.sh && BUDGET_S=570 bash benchmark/gpu/validate.sh STAGE [STAGE...]
+# Logs go to $OUT (or ./gpu-logs). Each step has its own time limit, cut to what is left of
+# BUDGET_S (seconds for the whole command; a step with under 20 s left is skipped), and
+# failures do not stop the steps and stages that follow.
 set -u
 out="${OUT:-gpu-logs}"; mkdir -p "$out"
+budget="${BUDGET_S:-100000}"
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
-  echo "=== $name: $*" | tee -a "$out/summary.log"
+  local left=$((budget - SECONDS))
+  if ((left < 20)); then echo "=== $name: skipped, ${left} s left" | tee -a "$out/summary.log"; return; fi
+  ((secs > left)) && secs=$left
+  echo "=== $name (limit ${secs} s): $*" | tee -a "$out/summary.log"
   local t0=$SECONDS
   timeout "$secs" "$@" >"$out/$name.log" 2>&1
   local rc=$?
@@ -15,7 +20,12 @@ step() {  # step NAME SECONDS CMD...
   grep -E '^\{|passed|failed|error|identical|matching|Error' "$out/$name.log" | tail -40 | tee -a "$out/summary.log"
 }
 smollm2="${SMOLLM2_GGUF:-/tmp/smollm2.gguf}"
-case "${1:-}" in
+nextn_3_1_4="--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
+nextn_1_1_2="--speculative-algorithm NEXTN --speculative-num-steps 1 --speculative-eagle-topk 1 --speculative-num-draft-tokens 2"
+models="${MODELS:-/tmp/bench_models}"
+[ $# -gt 0 ] || set -- usage
+for stage in "$@"; do
+case "$stage" in
   kernels)
     # No -x: one failure must not hide the other kernels' results.
     step kernel_tests 300 python3 -m pytest -q test/test_triton_kernels.py test/test_attention_backends.py \
@@ -24,6 +34,10 @@ case "${1:-}" in
     step smollm2_agreement 150 python3 benchmark/accuracy/greedy_agreement.py --model-path "$smollm2" \
       --out "$out/smollm2_gpu_bf16.json" --compare benchmark/accuracy/smollm2_cpu_f32.json -- --disable-cuda-graph
     step smollm2_decode 150 python3 benchmark/bench_decode.py --model-path "$smollm2" --batch-sizes 1 32 -- --disable-cuda-graph
+    ;;
+  kernel-tests)  # the DeepSeek, fused-op, graph and tree tests alone (the kernels stage runs more)
+    step kernel_tests 150 python3 -m pytest -q test/test_deepseek_kernels.py test/test_fused_ops.py test/test_cuda_graph.py \
+      test/test_spec_tree.py
     ;;
   tune)  # measured kernel tables for this GPU (layers/tuned/*.json; copies in $OUT)
     # shellcheck disable=SC2086
@@ -41,12 +55,33 @@ case "${1:-}" in
   deepseek)  # DeepSeek-V2-Lite shape: plain decode and one NEXTN 3/1/4 cycle, with CUDA graphs
     step dsv2lite_decode 120 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
       --batch-sizes 1 32 -- --cuda-graph-max-bs 32
+    # shellcheck disable=SC2086
     step dsv2lite_nextn 150 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
-      --batch-sizes 1 32 -- --cuda-graph-max-bs 32 --speculative-algorithm NEXTN --speculative-num-steps 3 \
-      --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
+      --batch-sizes 1 32 -- --cuda-graph-max-bs 32 $nextn_3_1_4
+    ;;
+  small-deepseek)  # the trained 12-layer DeepSeek's shape (random weights): plain step, NEXTN 3/1/4 and 1/1/2 cycles
+    for spec in plain nextn_3_1_4 nextn_1_1_2; do
+      flags=${!spec:-}  # the variable of that name (none for plain)
+      # shellcheck disable=SC2086
+      step "small_deepseek_$spec" 120 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v3-small-mtp.json \
+        --batch-sizes 1 32 --repeats 3 -- --cuda-graph-max-bs 32 $flags
+    done
+    ;;
+  nextn-serving)  # the trained DeepSeek (trained here when $MODELS lacks it): prefill cost, then
+    # the speculative sweep at concurrency 1 and 32 ($SWEEP_FLAGS go to every server too)
+    [ -d "$models/deepseek-v3-mtp" ] || step train_deepseek 200 python3 -m sglang.tools.train_tiny_models --out "$models" \
+      --device cuda --minutes "${MINUTES:-1.8}" --models deepseek
+    [ -f "$out/prefill_cost.log" ] || step prefill_cost 90 python3 -m sglang.bench_one_batch --model-path "$models/deepseek-v3-mtp" --batch-size 1 32 \
+      --input-len 276 --output-len 8
+    # shellcheck disable=SC2086
+    step "nextn_sweep${SWEEP_LABEL:-}" 450 python3 benchmark/spec_sweep.py --model-path "$models/deepseek-v3-mtp" \
+      --speculative-algorithm NEXTN --configs ${SWEEP_CONFIGS:-1,1,2 3,1,4} --baseline --concurrencies 1 32 \
+      --dataset-name file --dataset-path "$models/heldout_prompts.jsonl" --num-prompts 64 --random-output-len 256 \
+      -- --cuda-graph-max-bs 32 ${SWEEP_FLAGS:-}
+    grep -A12 '^| steps' "$out/nextn_sweep${SWEEP_LABEL:-}.log" | tee -a "$out/summary.log"
     ;;
   graphs)  # one GPU: CUDA graphs for plain decode and for every speculative sub-forward
-    nextn="--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
+    nextn=$nextn_3_1_4
     step graph_tests 300 python3 -m pytest -q -x test/test_cuda_graph.py test/test_triton_kernels.py test/test_fused_ops.py
     step spec_graphs_equal 400 python3 benchmark/gpu/validate_parallel_spec.py --gpus 1 --out "$out"
     step dsv2lite_plain 200 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
@@ -58,5 +93,6 @@ case "${1:-}" in
     step llama8b_profile 200 python3 benchmark/profile_engine.py --config benchmark/configs/llama-3.1-8b.json \
       --output-dir "$out/profile" -- --cuda-graph-max-bs 8
     ;;
-  *) echo "usage: validate.sh kernels|tune|decode|deepseek|graphs"; exit 2 ;;
+  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|tune|decode|deepseek|small-deepseek|nextn-serving|graphs"; exit 2 ;;
 esac
+done
