@@ -59,6 +59,10 @@ case "$stage" in
     step dsv2lite_nextn 150 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
       --batch-sizes 1 32 -- --cuda-graph-max-bs 32 $nextn_3_1_4
     ;;
+  profile-deepseek)  # V2-Lite's batch-1 decode step: op tables and timeline summary
+    step dsv2lite_profile 150 python3 benchmark/profile_engine.py --config benchmark/configs/deepseek-v2-lite.json \
+      --batch-size 1 --num-steps 30 --output-dir "$out/profile_v2lite" -- --cuda-graph-max-bs 8
+    ;;
   small-deepseek)  # the trained 12-layer DeepSeek's shape (random weights): plain step, NEXTN 3/1/4 and 1/1/2 cycles
     for spec in plain nextn_3_1_4 nextn_1_1_2; do
       flags=${!spec:-}  # the variable of that name (none for plain)
@@ -93,6 +97,6 @@ case "$stage" in
     step llama8b_profile 200 python3 benchmark/profile_engine.py --config benchmark/configs/llama-3.1-8b.json \
       --output-dir "$out/profile" -- --cuda-graph-max-bs 8
     ;;
-  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|tune|decode|deepseek|small-deepseek|nextn-serving|graphs"; exit 2 ;;
+  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|tune|decode|deepseek|profile-deepseek|small-deepseek|nextn-serving|graphs"; exit 2 ;;
 esac
 done
