@@ -61,7 +61,7 @@ case "$stage" in
     ;;
   profile-deepseek)  # V2-Lite's batch-1 decode step: op tables and timeline summary
     step dsv2lite_profile 150 python3 benchmark/profile_engine.py --config benchmark/configs/deepseek-v2-lite.json \
-      --batch-size 1 --num-steps 30 --output-dir "$out/profile_v2lite" -- --cuda-graph-max-bs 8
+      --batch-size 1 --num-steps 30 --output-dir /tmp/profile_v2lite -- --cuda-graph-max-bs 8
     ;;
   small-deepseek)  # the trained 12-layer DeepSeek's shape (random weights): plain step, NEXTN 3/1/4 and 1/1/2 cycles
     for spec in plain nextn_3_1_4 nextn_1_1_2; do
