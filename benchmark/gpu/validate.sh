@@ -39,6 +39,15 @@ case "$stage" in
     step kernel_tests 150 python3 -m pytest -q test/test_deepseek_kernels.py test/test_fused_ops.py test/test_cuda_graph.py \
       test/test_spec_tree.py
     ;;
+  launch)  # host cost of eager launches, and an eager decode step of the small DeepSeek (issue 9: prefills are eager)
+    step bench_launch 60 python3 benchmark/kernels/bench_launch.py
+    step small_deepseek_eager 120 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v3-small-mtp.json \
+      --batch-sizes 1 --repeats 3 -- --disable-cuda-graph
+    small_dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmark"); from bench_decode import dummy_model_dir
+print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
+    step small_deepseek_prefill 90 python3 -m sglang.bench_one_batch --model-path "$small_dir" --load-format dummy \
+      --batch-size 1 32 --input-len 276 --output-len 8
+    ;;
   tune)  # measured kernel tables for this GPU (layers/tuned/*.json; copies in $OUT)
     # shellcheck disable=SC2086
     step tune_gemv 200 python3 benchmark/kernels/bench_gemv.py --rows 1 4 8 32 --write-table --jsonl "$out/gemv.jsonl" ${GEMV_FLAGS:-}
@@ -97,6 +106,6 @@ case "$stage" in
     step llama8b_profile 200 python3 benchmark/profile_engine.py --config benchmark/configs/llama-3.1-8b.json \
       --output-dir "$out/profile" -- --cuda-graph-max-bs 8
     ;;
-  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|tune|decode|deepseek|profile-deepseek|small-deepseek|nextn-serving|graphs"; exit 2 ;;
+  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|launch|tune|decode|deepseek|profile-deepseek|small-deepseek|nextn-serving|graphs"; exit 2 ;;
 esac
 done
