@@ -1,5 +1,5 @@
 """Sweep speculative settings: one server per (steps, topk, draft tokens), one fixed workload each,
-and a markdown table of accept length and throughput.
+and a markdown table of accept length, throughput and the prefill batches the server ran.
 
     python benchmark/spec_sweep.py --model-path M --speculative-algorithm NEXTN \
         --configs 1,1,2 3,1,4 5,1,6 3,4,8 --baseline \
