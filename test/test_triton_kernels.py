@@ -58,7 +58,15 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from sglang.srt.layers.moe.fused_moe import moe_forward_native  # noqa: E402
-from sglang.srt.layers.moe.fused_moe_triton import _align_by_expert_torch, align_by_expert, fused_moe  # noqa: E402
+from sglang.srt.layers.moe.fused_moe_triton import (  # noqa: E402
+    MAX_PAIRS_ONE_PROGRAM,
+    _align_by_expert_torch,
+    align_by_expert,
+    fused_moe,
+    variant_key,
+    variant_token_counts,
+    warm_up_variants,
+)
 from sglang.srt.layers.moe.topk import RoutingConfig, select_experts  # noqa: E402
 from sglang.srt.layers.moe.topk_triton import select_experts_triton  # noqa: E402
 from sglang.test.attention_batches import AttnShape, make_attention_batch  # noqa: E402
@@ -193,6 +201,28 @@ def test_triton_routing_matches_select_experts(cfg, num_tokens):
     got_ids, got_order = got_ids.sort(dim=-1)
     assert torch.equal(got_ids, ref_ids)
     torch.testing.assert_close(got_w.gather(1, got_order), ref_w.gather(1, ref_order), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("slots", [3, 8])
+def test_moe_warm_up_meets_every_variant_once(slots):
+    """One warm-up batch per kernel variant (alignment power of two x tile config): every batch
+    size up to the budget shares its variant with one of them, and no two share one."""
+    device = torch.device("cpu")
+    max_tokens = 2 * MAX_PAIRS_ONE_PROGRAM // slots
+    counts = variant_token_counts(slots, max_tokens, device)
+    keys = [variant_key(t * slots, device) for t in counts]
+    assert counts[0] == 1 and len(set(keys)) == len(keys)
+    assert {variant_key(t * slots, device) for t in range(1, max_tokens + 1)} == set(keys)
+    # The first batch past the one-program alignment takes the plain-PyTorch one.
+    assert MAX_PAIRS_ONE_PROGRAM // slots + 1 in counts
+
+
+@kernel_test
+def test_moe_warm_up_runs_its_batches():
+    gen = torch.Generator().manual_seed(0)
+    w13 = torch.randn(5, 16, 8, generator=gen).to(DEVICE)
+    w2 = torch.randn(5, 8, 8, generator=gen).to(DEVICE)
+    assert warm_up_variants(w13, w2, slots=3, max_tokens=40) == len(variant_token_counts(3, 40, w13.device))
 
 
 @kernel_test

@@ -14,6 +14,7 @@ from sglang.srt.layers.attention import create_attention_backend
 from sglang.srt.layers.attention.base import AttentionBackend
 from sglang.srt.layers.dp_attention import gathered_buffer_rows
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import (
     KVPool,
@@ -101,6 +102,7 @@ class ModelRunner:
             self.max_total_num_tokens * self.kv_bytes_per_token / _GIB,
             self.max_running_requests,
         )
+        self._warm_up_moe_kernels()
         # Captured last: graphs bake in the addresses of the weights, KV pool and buffers above.
         self.graph_runner = self._make_graph_runner()
 
@@ -180,6 +182,20 @@ class ModelRunner:
         args = self.server_args
         chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else args.max_prefill_tokens
         return min(chunk, args.max_prefill_tokens)
+
+    def _warm_up_moe_kernels(self) -> None:
+        """Compile every expert-kernel variant an eager batch can meet (prefills, and under DP
+        attention the MoE over every rank's rows) before serving; layers of one shape share them."""
+        args = self.server_args
+        max_tokens = self.prefill_token_budget() * (args.dp_size if args.enable_dp_attention else 1)
+        done, batches = set(), 0
+        for moe in (m for m in self.model.modules() if isinstance(m, FusedMoE)):
+            shape = (moe.w13_weight.shape, moe.w2_weight.shape, moe.w13_weight.dtype, moe.routing.slots)
+            if shape not in done:
+                done.add(shape)
+                batches += moe.warm_up_kernels(max_tokens)
+        if batches:
+            logger.info("MoE kernels warmed up: %d batch sizes for %d expert shape(s)", batches, len(done))
 
     # ------------------------------------------------------------------ CUDA graphs
     def _graph_modes(self) -> dict[ForwardMode, CapturedMode]:

@@ -105,6 +105,15 @@ class FusedMoE(nn.Module):
         else:
             raise ValueError(f"unknown expert shard {shard!r}")
 
+    def warm_up_kernels(self, max_tokens: int) -> int:
+        """CUDA: compile the expert kernels' variants for batches of up to max_tokens tokens now
+        (fused_moe_triton.warm_up_variants); returns the batches run (0 off CUDA)."""
+        if not self.w13_weight.is_cuda:
+            return 0
+        from sglang.srt.layers.moe.fused_moe_triton import warm_up_variants
+
+        return warm_up_variants(self.w13_weight, self.w2_weight, self.routing.slots, max_tokens)
+
     def forward(
         self, hidden: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -59,6 +59,34 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     return sorted_pairs, block_expert
 
 
+def variant_key(num_pairs: int, device: torch.device) -> tuple[int, MoeKernelConfig]:
+    """What decides the kernel variants fused_moe compiles for a batch of num_pairs pairs: the
+    alignment's power of two (0: the plain-PyTorch alignment) and the tile config."""
+    block_p = triton.next_power_of_2(num_pairs) if num_pairs <= MAX_PAIRS_ONE_PROGRAM else 0
+    return block_p, kernel_config(num_pairs, device)
+
+
+def variant_token_counts(slots: int, max_tokens: int, device: torch.device) -> list[int]:
+    """The smallest token count of each variant key that batches of 1..max_tokens tokens meet."""
+    first: dict[tuple[int, MoeKernelConfig], int] = {}
+    for tokens in range(1, max_tokens + 1):
+        first.setdefault(variant_key(tokens * slots, device), tokens)
+    return sorted(first.values())
+
+
+def warm_up_variants(w13: torch.Tensor, w2: torch.Tensor, slots: int, max_tokens: int) -> int:
+    """Run fused_moe once per kernel variant that batches of up to max_tokens tokens can meet,
+    so that each compiles (or loads from Triton's cache) at startup instead of stalling the
+    first batch that meets it while serving (seconds for the largest alignment). Zero inputs;
+    returns the number of batches run."""
+    counts = variant_token_counts(slots, max_tokens, w13.device)
+    for tokens in counts:
+        hidden = torch.zeros((tokens, w2.shape[1]), dtype=w13.dtype, device=w13.device)
+        ids = (torch.arange(tokens * slots, device=w13.device) % w13.shape[0]).view(tokens, slots)
+        fused_moe(hidden, w13, w2, torch.ones(ids.shape, device=w13.device), ids)
+    return len(counts)
+
+
 def _align_by_expert_torch(
     flat: torch.Tensor, num_experts: int, block_m: int, max_blocks: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
