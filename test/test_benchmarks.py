@@ -264,6 +264,18 @@ def test_spec_sweep_counts_prefill_batches(tmp_path):
     assert sweep.count_prefill_batches(str(log)) == 2
 
 
+def test_bench_launch_times_the_wrappers_with_launches_stubbed():
+    pytest.importorskip("triton")
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmark/kernels/bench_launch.py"), "--stub-launch", "--calls", "5",
+         "--repeats", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [line.rsplit(None, 1) for line in out.stdout.splitlines()[1:]]
+    assert [name.strip() for name, _ in rows][-1] == "fused_moe (4 kernels)" and all(float(us) > 0 for _, us in rows)
+
+
 def test_host_overhead_counts_ops_by_part():
     """--count-ops: a NEXTN cycle's ops fall to the model, each program's own work and the host."""
     out = subprocess.run(

@@ -1,12 +1,15 @@
 """Host time of one eager launch: a torch op, bare Triton kernels of few and many arguments,
-and our fused add + RMSNorm (its Python wrapper and its Triton launch), on small tensors.
+and our wrappers of Triton kernels (their Python and their launches), on a small DeepSeek's
+prefill-sized tensors (276 tokens, hidden 256, 8 + 1 experts).
 
     python benchmark/kernels/bench_launch.py [--calls 1000] [--repeats 5]
+    python benchmark/kernels/bench_launch.py --stub-launch   # any machine: the wrappers' Python alone
 
 An eager forward (a prefill, or any forward outside a CUDA graph) of a small model is a chain
 of such launches, so their host cost, not the kernels, sets its time. Each figure is the median
 over --repeats of (host seconds for --calls back-to-back calls) / --calls; the device finishes
-each repeat before the next starts. Needs CUDA.
+each repeat before the next starts. --stub-launch replaces Triton's launcher with a no-op
+(CPU tensors), leaving what our wrappers cost before the launch.
 """
 
 from __future__ import annotations
@@ -25,7 +28,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run f
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from triton.runtime.jit import JITFunction  # noqa: E402
+
 from sglang.srt.layers.fused_ops import fused_add_rms_norm  # noqa: E402
+from sglang.srt.layers.moe.fused_moe_triton import fused_moe  # noqa: E402
+from sglang.srt.layers.moe.topk import RoutingConfig  # noqa: E402
+from sglang.srt.layers.moe.topk_triton import router_logits, select_experts_triton  # noqa: E402
+
+# The small trained DeepSeek's routing (benchmark/configs/deepseek-v3-small-mtp.json).
+ROUTING = RoutingConfig(
+    top_k=2, num_experts=8, scoring_func="sigmoid", topk_method="noaux_tc", num_expert_group=4, topk_group=2,
+    renormalize=True, routed_scaling_factor=2.5, num_shared_experts=1,
+)
 
 
 @triton.jit
@@ -39,29 +53,40 @@ def _touch20_kernel(a, b, c, d, e, f, g, h, i, j, n0, n1, n2, n3, n4, n5, n6, n7
     tl.store(j, total + tl.load(i) + n0 + n1 + n2 + n3 + n4 + n5 + n6 + n7 + n8 + n9)
 
 
-def host_us_per_call(fn: Callable[[], object], calls: int, repeats: int) -> float:
+def host_us_per_call(fn: Callable[[], object], calls: int, repeats: int, sync: Callable[[], None]) -> float:
     for _ in range(50):
         fn()
-    torch.cuda.synchronize()
+    sync()
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(calls):
             fn()
         samples.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
+        sync()
     return statistics.median(samples)
 
 
-def cases(tokens: int, hidden: int) -> dict[str, Callable[[], object]]:
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    residual, weight, out = torch.randn_like(x), torch.ones(hidden, device="cuda", dtype=torch.bfloat16), torch.empty_like(x)
-    ptrs = [torch.zeros(1, device="cuda") for _ in range(10)]
+def cases(tokens: int, hidden: int, device: str) -> dict[str, Callable[[], object]]:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    residual, weight, out = torch.randn_like(x), torch.ones(hidden, device=device, dtype=dtype), torch.empty_like(x)
+    ptrs = [torch.zeros(1, device=device) for _ in range(10)]
+    experts, inter = ROUTING.num_experts + ROUTING.num_shared_experts, 192
+    gate = torch.randn(ROUTING.num_experts, hidden, device=device)
+    logits = torch.randn(tokens, ROUTING.num_experts, device=device)
+    w13 = torch.randn(experts, 2 * inter, hidden, device=device, dtype=dtype)
+    w2 = torch.randn(experts, hidden, inter, device=device, dtype=dtype)
+    ids = torch.randint(0, experts, (tokens, ROUTING.slots), device=device)
+    weights = torch.ones(ids.shape, device=device)
     return {
         "torch.add (out=)": lambda: torch.add(x, residual, out=out),
         "Triton, 4 pointer args": lambda: _touch4_kernel[(1,)](*ptrs[:4]),
         "Triton, 10 pointer + 10 int args": lambda: _touch20_kernel[(1,)](*ptrs, *range(1, 11)),
-        "fused_add_rms_norm (wrapper + Triton)": lambda: fused_add_rms_norm(x, residual, weight, 1e-6),
+        "fused_add_rms_norm (1 kernel)": lambda: fused_add_rms_norm(x, residual, weight, 1e-6),
+        "router_logits (1 kernel)": lambda: router_logits(x, gate),
+        "select_experts_triton (1 kernel)": lambda: select_experts_triton(logits, ROUTING, torch.zeros_like(gate[:, 0])),
+        "fused_moe (4 kernels)": lambda: fused_moe(x, w13, w2, weights, ids),
     }
 
 
@@ -71,12 +96,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tokens", type=int, default=276, help="rows of the norm's input")
     p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--stub-launch", action="store_true", help="no launches, CPU tensors: the wrappers' Python alone")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_launch.py needs CUDA")
-    print(f"{'launch':<40} host us per call")
-    for name, fn in cases(args.tokens, args.hidden).items():
-        print(f"{name:<40} {host_us_per_call(fn, args.calls, args.repeats):8.1f}", flush=True)
+    if args.stub_launch:
+        JITFunction.run = lambda self, *a, **k: None
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench_launch.py needs CUDA without --stub-launch")
+    device = "cpu" if args.stub_launch else "cuda"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    print(f"{'call':<40} host us per call{' (launches stubbed)' if args.stub_launch else ''}")
+    for name, fn in cases(args.tokens, args.hidden, device).items():
+        print(f"{name:<40} {host_us_per_call(fn, args.calls, args.repeats, sync):8.1f}", flush=True)
 
 
 if __name__ == "__main__":
