@@ -203,6 +203,17 @@ def test_triton_routing_matches_select_experts(cfg, num_tokens):
     torch.testing.assert_close(got_w.gather(1, got_order), ref_w.gather(1, ref_order), atol=1e-5, rtol=1e-5)
 
 
+def test_host_launch_sizes_match_triton():
+    import triton
+
+    from sglang.srt.utils.int_math import cdiv, next_power_of_2
+
+    assert [next_power_of_2(n) for n in range(5000)] == [triton.next_power_of_2(n) for n in range(5000)]
+    assert [cdiv(a, b) for a in range(300) for b in (1, 3, 16, 64)] == [
+        triton.cdiv(a, b) for a in range(300) for b in (1, 3, 16, 64)
+    ]
+
+
 @pytest.mark.parametrize("slots", [3, 8])
 def test_moe_warm_up_meets_every_variant_once(slots):
     """One warm-up batch per kernel variant (alignment power of two x tile config): every batch

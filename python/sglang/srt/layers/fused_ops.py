@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from sglang.srt.layers.rotary_embedding import as_heads
+from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
@@ -113,7 +114,7 @@ def _rms_norm(
     x2 = _rows(x, n)
     if x2.shape[0]:
         r2 = x2 if residual is None else _rows(residual, n)
-        block = triton.next_power_of_2(n)
+        block = next_power_of_2(n)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, out if new_residual is None else new_residual,
             x2.stride(0), r2.stride(0), n, eps,
@@ -145,7 +146,7 @@ def rms_norm_pair(
     out = torch.empty((*a.shape[:-1], na + nb), dtype=torch.promote_types(a_weight.dtype, a.dtype), device=a.device)
     a2, b2 = _rows(a, na), _rows(b, nb)
     if a2.shape[0]:
-        block = triton.next_power_of_2(max(na, nb))
+        block = next_power_of_2(max(na, nb))
         _rms_norm_pair_kernel[(a2.shape[0], 2)](
             a2, b2, a_weight, b_weight, out, a2.stride(0), b2.stride(0), na, nb, a_eps, b_eps,
             BLOCK=block, SIGNAL_DEPENDENTS=signals_dependents(a.device), num_warps=_num_warps(block),
@@ -182,8 +183,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
     x2 = _rows(x, 2 * d)
     if x2.shape[0] and d:
-        block = min(triton.next_power_of_2(d), 1024)
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, x2.stride(0), d, BLOCK=block)
+        block = min(next_power_of_2(d), 1024)
+        _silu_and_mul_kernel[(x2.shape[0], cdiv(d, block))](x2, out, x2.stride(0), d, BLOCK=block)
     return out
 
 
@@ -281,9 +282,9 @@ def _launch_rotary(
         *((0, 0) if v3 is None else v3.stride()[:2]), num_q_heads, num_k_heads,
         HAS_POSITIONS=positions is not None, STORE_KV=v3 is not None, HEAD=head_size, ROT=rotary_dim,
         NEOX=is_neox_style, V_HEAD=v_head,
-        BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
-        BLOCK_REST=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
-        BLOCK_V=triton.next_power_of_2(v_head),
+        BLOCK_HALF=next_power_of_2(rotary_dim // 2),
+        BLOCK_REST=next_power_of_2(max(head_size - rotary_dim, 1)),
+        BLOCK_V=next_power_of_2(v_head),
         num_warps=1,
     )
 

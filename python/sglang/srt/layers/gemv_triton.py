@@ -31,6 +31,7 @@ import triton.language as tl
 
 from sglang.srt.layers.fused_ops import signals_dependents, silu_mul
 from sglang.srt.layers.tuned import load_table
+from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ _PREFETCH_STEPS = 2
 def block_m(rows: int, use_dot: bool) -> int:
     """Rows of x per program: one for FMAs (programs of one W tile run side by side, so W comes
     from HBM once and from L2 for the other rows); tensor cores take 16 or 32."""
-    return max(16, min(triton.next_power_of_2(rows), 32)) if use_dot else 1
+    return max(16, min(next_power_of_2(rows), 32)) if use_dot else 1
 
 
 # ---------------------------------------------------------------------- the kernel
@@ -207,15 +208,15 @@ def gemv(
     y = torch.empty((rows, width), dtype=out_dtype or x.dtype, device=x.device)
     if rows and width:
         bm = block_m(rows, config.use_dot)
-        m_tiles = triton.cdiv(rows, bm)
-        _gemv_kernel[(triton.cdiv(width, config.block_n) * m_tiles,)](
+        m_tiles = cdiv(rows, bm)
+        _gemv_kernel[(cdiv(width, config.block_n) * m_tiles,)](
             x2, weight, bias, y,
             rows, width, k, x2.stride(0), weight.stride(0), y.stride(0), m_tiles,
             HAS_BIAS=bias is not None, GATED=gated, MASK_K=k % config.block_k != 0,
             BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             NUM_STAGES=config.num_stages, USE_DOT=config.use_dot,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 as cuBLAS without TF32
-            PDL=pdl, PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(min(k, _PREFETCH_STEPS * config.block_k), line)),
+            PDL=pdl, PREFETCH_LINES=next_power_of_2(cdiv(min(k, _PREFETCH_STEPS * config.block_k), line)),
             LINE_ELEMS=line,
             num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}),
         )

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from sglang.srt.layers.fused_ops import _rotate_head, _weighted_rms_norm
+from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
 HEAD_MATMUL_MAX_TOKENS = 16  # one tl.dot row tile; larger batches take torch.bmm
 
@@ -96,7 +97,7 @@ def mla_rope_pack_triton(
             num_heads,
             LATENT=latent_dim, ROT=rot, NEOX=is_neox_style, AT_LOC=kv_store is not None,
             NORM_LATENT=latent_norm is not None,
-            BLOCK_HALF=triton.next_power_of_2(rot // 2), BLOCK_LATENT=triton.next_power_of_2(latent_dim),
+            BLOCK_HALF=next_power_of_2(rot // 2), BLOCK_LATENT=next_power_of_2(latent_dim),
             num_warps=1,
         )
     return k_out if kv_store is None else None
@@ -142,8 +143,8 @@ def head_matmul_triton(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> N
     assert num_tokens <= HEAD_MATMUL_MAX_TOKENS and b.shape[:2] == (num_heads, k_dim)
     if not num_tokens:
         return
-    block_n = max(16, min(64, triton.next_power_of_2(n_dim) // 8))  # 8 programs a head for N 512 and 128
-    _head_matmul_kernel[(num_heads, triton.cdiv(n_dim, block_n))](
+    block_n = max(16, min(64, next_power_of_2(n_dim) // 8))  # 8 programs a head for N 512 and 128
+    _head_matmul_kernel[(num_heads, cdiv(n_dim, block_n))](
         a, b, out, num_tokens, k_dim, n_dim,
         *a.stride(), *b.stride(), *out.stride(),
         BLOCK_T=16, BLOCK_K=128, BLOCK_N=block_n,

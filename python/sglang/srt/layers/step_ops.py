@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang.srt.utils.int_math import cdiv, next_power_of_2
+
 # ---------------------------------------------------------------------- KV-cache store
 
 # Elements of one k (or v) tile: a program stores up to this many per token.
@@ -60,9 +62,9 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     assert v.shape == (num_tokens, heads, v_dim) == (loc.shape[0], *v_buf.shape[1:])
     if not num_tokens:
         return
-    block_k, block_v = triton.next_power_of_2(k_dim), triton.next_power_of_2(v_dim)
-    block_h = min(triton.next_power_of_2(heads), max(1, _KV_TILE // max(block_k, block_v)))
-    _store_kv_kernel[(num_tokens, triton.cdiv(heads, block_h))](
+    block_k, block_v = next_power_of_2(k_dim), next_power_of_2(v_dim)
+    block_h = min(next_power_of_2(heads), max(1, _KV_TILE // max(block_k, block_v)))
+    _store_kv_kernel[(num_tokens, cdiv(heads, block_h))](
         loc, k, v, k_buf, v_buf,
         *k.stride(), *v.stride(),
         HEADS=heads, K_DIM=k_dim, V_DIM=v_dim, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_V=block_v,
@@ -131,10 +133,10 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if not rows:
         return out
-    num_blocks = triton.cdiv(n, _ARGMAX_BLOCK)
-    block = min(triton.next_power_of_2(n), _ARGMAX_BLOCK)
+    num_blocks = cdiv(n, _ARGMAX_BLOCK)
+    block = min(next_power_of_2(n), _ARGMAX_BLOCK)
     keys = out if num_blocks == 1 else torch.empty((rows, num_blocks), dtype=torch.int64, device=x.device)
     _argmax_blocks_kernel[(rows, num_blocks)](x, keys, *x.stride(), n, BLOCK=block, FINAL=num_blocks == 1)
     if num_blocks > 1:
-        _argmax_merge_kernel[(rows,)](keys, out, num_blocks, BLOCK=triton.next_power_of_2(num_blocks), num_warps=1)
+        _argmax_merge_kernel[(rows,)](keys, out, num_blocks, BLOCK=next_power_of_2(num_blocks), num_warps=1)
     return out

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from sglang.srt.layers.moe.kernel_config import GemmTile
+from sglang.srt.utils.int_math import cdiv
 
 
 @triton.jit
@@ -89,12 +90,12 @@ def moe_gemv(
     hidden_size, inter = hidden.shape[1], w2.shape[2]
     act = hidden.new_empty((num_tokens * slots, inter))  # SiLU(gate) * up per pair, in hidden's dtype
     ids = topk_ids.flatten()
-    _gate_up_gemv_kernel[(num_tokens * slots, triton.cdiv(inter, w13_tile.block_n))](
+    _gate_up_gemv_kernel[(num_tokens * slots, cdiv(inter, w13_tile.block_n))](
         hidden, w13, ids, act, inter, hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1),
         SLOTS=slots, BLOCK_N=w13_tile.block_n, BLOCK_K=w13_tile.block_k, NUM_STAGES=w13_tile.num_stages,
         num_warps=w13_tile.num_warps,
     )
-    _down_gemv_combine_kernel[(num_tokens, triton.cdiv(hidden_size, w2_tile.block_n))](
+    _down_gemv_combine_kernel[(num_tokens, cdiv(hidden_size, w2_tile.block_n))](
         act, w2, ids, topk_weights.flatten().float(), out, hidden_size, inter, w2.stride(0), w2.stride(1),
         out.stride(0), SLOTS=slots, BLOCK_N=w2_tile.block_n, BLOCK_K=w2_tile.block_k, NUM_STAGES=w2_tile.num_stages,
         num_warps=w2_tile.num_warps,

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from sglang.srt.layers.moe.fused_moe_gemv import moe_gemv
 from sglang.srt.layers.moe.kernel_config import GemmTile, MoeKernelConfig, kernel_config
+from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
 
 # One program aligns up to this many (token, slot) pairs in registers (decode batches up to
@@ -28,7 +29,7 @@ MAX_PAIRS_ONE_PROGRAM = 1024
 
 def _max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     # Blocks used <= ceil(pairs / block_m) + (number of non-empty experts).
-    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    return cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,16 +45,16 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     device = topk_ids.device
     # Every block size follows from block_p alone (the bound for block_p pairs), so that the
     # batches of one power of two share a compiled variant.
-    block_p = triton.next_power_of_2(num_pairs)
+    block_p = next_power_of_2(num_pairs)
     bound = _max_blocks(block_p, num_experts, block_m)
-    block_pad = triton.next_power_of_2(bound * block_m)
+    block_pad = next_power_of_2(bound * block_m)
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int64, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
     scratch = torch.empty(block_p, dtype=torch.int64, device=device)
     _align_kernel[(1,)](
         topk_ids.flatten(), scratch, sorted_pairs, block_expert, num_pairs, max_blocks,
         NUM_EXPERTS=num_experts, BLOCK_P=block_p, BLOCK_M=block_m,
-        BLOCK_PAD=block_pad, BLOCK_B=triton.next_power_of_2(bound),
+        BLOCK_PAD=block_pad, BLOCK_B=next_power_of_2(bound),
         num_warps=min(8, max(1, block_pad // 256)),  # decode at batch 1: 128 slots, one warp, no cross-warp syncs
     )
     return sorted_pairs, block_expert
@@ -62,7 +63,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 def variant_key(num_pairs: int, device: torch.device) -> tuple[int, MoeKernelConfig]:
     """What decides the kernel variants fused_moe compiles for a batch of num_pairs pairs: the
     alignment's power of two (0: the plain-PyTorch alignment) and the tile config."""
-    block_p = triton.next_power_of_2(num_pairs) if num_pairs <= MAX_PAIRS_ONE_PROGRAM else 0
+    block_p = next_power_of_2(num_pairs) if num_pairs <= MAX_PAIRS_ONE_PROGRAM else 0
     return block_p, kernel_config(num_pairs, device)
 
 
@@ -212,7 +213,7 @@ def _grouped_gemm(
     gated: bool,
 ) -> None:
     n_out, k_in = c.shape[1], a.shape[1]
-    grid = (block_expert.shape[0], triton.cdiv(n_out, tile.block_n))
+    grid = (block_expert.shape[0], cdiv(n_out, tile.block_n))
     _grouped_gemm_kernel[grid](
         a, w, c, sorted_pairs, block_expert, topk_weights,
         c.shape[0], n_out, k_in,
@@ -264,6 +265,6 @@ def fused_moe(
     _grouped_gemm(hidden, w13, act, sorted_pairs, block_expert, weights, block_m, config.w13, slots, gated=True)
     per_pair = torch.empty((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     _grouped_gemm(act, w2, per_pair, sorted_pairs, block_expert, weights, block_m, config.w2, 1, gated=False)
-    block = min(triton.next_power_of_2(hidden_size), 512)
-    _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](per_pair, out, hidden_size, SLOTS=slots, BLOCK=block)
+    block = min(next_power_of_2(hidden_size), 512)
+    _combine_kernel[(num_tokens, cdiv(hidden_size, block))](per_pair, out, hidden_size, SLOTS=slots, BLOCK=block)
     return out

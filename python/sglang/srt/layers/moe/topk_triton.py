@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from sglang.srt.layers.moe.topk import RoutingConfig
+from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
 _METHOD_CODES = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
@@ -75,9 +76,9 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=x.device)
     if num_tokens:
         x = x if x.stride(-1) == 1 else x.contiguous()
-        block_t = min(triton.next_power_of_2(num_tokens), ROUTER_BLOCK_TOKENS)
-        block_k = min(triton.next_power_of_2(hidden), _ROUTER_TILE // block_t)
-        _router_logits_kernel[(num_experts, triton.cdiv(num_tokens, block_t))](
+        block_t = min(next_power_of_2(num_tokens), ROUTER_BLOCK_TOKENS)
+        block_k = min(next_power_of_2(hidden), _ROUTER_TILE // block_t)
+        _router_logits_kernel[(num_experts, cdiv(num_tokens, block_t))](
             x, weight, out, num_tokens, hidden, x.stride(0), weight.stride(0), out.stride(0),
             BLOCK_T=block_t, BLOCK_K=block_k,
         )
@@ -168,16 +169,16 @@ def select_experts_triton(
         return weights, ids
     logits = router_logits.contiguous()
     n_group = cfg.num_expert_group or 1
-    block_e = triton.next_power_of_2(cfg.num_experts)
+    block_e = next_power_of_2(cfg.num_experts)
     _route_kernel[(num_tokens,)](
         logits, correction_bias if correction_bias is not None else logits, weights, ids,
         logits.stride(0), cfg.routed_scaling_factor,
         E=cfg.num_experts, BLOCK_E=block_e,
-        TOP_K=cfg.top_k, SLOTS=cfg.slots, BLOCK_K=triton.next_power_of_2(cfg.slots),
+        TOP_K=cfg.top_k, SLOTS=cfg.slots, BLOCK_K=next_power_of_2(cfg.slots),
         SIGMOID=cfg.scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None,
         METHOD=_METHOD_CODES[cfg.topk_method],
         GROUP_SIZE=cfg.num_experts // n_group, N_GROUP=n_group, TOPK_GROUP=cfg.topk_group or 1,
-        BLOCK_G=triton.next_power_of_2(n_group), RENORMALIZE=cfg.renormalize,
+        BLOCK_G=next_power_of_2(n_group), RENORMALIZE=cfg.renormalize,
         num_warps=_route_warps(block_e),
     )
     return weights, ids

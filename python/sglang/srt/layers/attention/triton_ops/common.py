@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang.srt.utils.int_math import next_power_of_2
+
 
 @triton.jit
 def _fill_kv_indices_kernel(
@@ -69,7 +71,7 @@ class HeadDimTiling:
         if lk < lv:
             raise ValueError(f"key head dim {lk} smaller than value head dim {lv} is not supported")
         d_main = lv if lk > lv else lk
-        tile = lambda d: max(16, triton.next_power_of_2(d))  # tl.dot needs >= 16
+        tile = lambda d: max(16, next_power_of_2(d))  # tl.dot needs >= 16
         block_dpe = tile(lk - d_main) if lk > d_main else 0
         return HeadDimTiling(lk, lv, d_main, tile(d_main), block_dpe, tile(lv))
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from sglang.srt.layers.attention.triton_ops.common import HeadDimTiling
+from sglang.srt.utils.int_math import cdiv
 
 MAX_KV_SPLITS = 16  # grid size along the split axis (a power of two: stage 2 tiles it)
 MIN_TOKENS_PER_SPLIT = 64
@@ -163,7 +164,7 @@ def decode_attention(
         return
     tiling = HeadDimTiling.of(lk, lv)
     group = num_heads // num_kv_heads
-    head_blocks = triton.cdiv(group, BLOCK_H)
+    head_blocks = cdiv(group, BLOCK_H)
     part_o = torch.empty((bs, num_heads, MAX_KV_SPLITS, lv), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((bs, num_heads, MAX_KV_SPLITS), dtype=torch.float32, device=q.device)
     block_n = 64 if tiling.block_d <= 256 else 32

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from sglang.srt.layers.attention.triton_ops.common import HeadDimTiling
+from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
 
@@ -168,8 +169,8 @@ def extend_attention(
     # their own, compiled once).
     pack = group if use_mask else 1
     if use_mask:
-        block_m = min(block_m, max(16, triton.next_power_of_2(max_extend_len * pack)))
-    _extend_kernel[(bs, num_heads // pack, triton.cdiv(max_extend_len * pack, block_m))](
+        block_m = min(block_m, max(16, next_power_of_2(max_extend_len * pack)))
+    _extend_kernel[(bs, num_heads // pack, cdiv(max_extend_len * pack, block_m))](
         q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, mask, tree_cols,
         scaling * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
