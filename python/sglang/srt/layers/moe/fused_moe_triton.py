@@ -32,6 +32,13 @@ def _max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
+def _alignment_lanes(num_pairs: int) -> int:
+    """The one-program alignment's lanes for num_pairs >= 1 pairs: their power of two, so that the
+    batches of one power share a compiled variant; 0 past MAX_PAIRS_ONE_PROGRAM (the
+    plain-PyTorch alignment)."""
+    return next_power_of_2(num_pairs) if num_pairs <= MAX_PAIRS_ONE_PROGRAM else 0
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort (token, slot) pairs by expert and pad each expert's run to block_m rows.
 
@@ -40,12 +47,12 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     """
     num_pairs = topk_ids.numel()
     max_blocks = _max_blocks(num_pairs, num_experts, block_m)
-    if num_pairs > MAX_PAIRS_ONE_PROGRAM:
+    block_p = _alignment_lanes(num_pairs)
+    if not block_p:
         return _align_by_expert_torch(topk_ids.flatten(), num_experts, block_m, max_blocks)
     device = topk_ids.device
     # Every block size follows from block_p alone (the bound for block_p pairs), so that the
     # batches of one power of two share a compiled variant.
-    block_p = next_power_of_2(num_pairs)
     bound = _max_blocks(block_p, num_experts, block_m)
     block_pad = next_power_of_2(bound * block_m)
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int64, device=device)
@@ -63,8 +70,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 def variant_key(num_pairs: int, device: torch.device) -> tuple[int, MoeKernelConfig]:
     """What decides the kernel variants fused_moe compiles for a batch of num_pairs pairs: the
     alignment's power of two (0: the plain-PyTorch alignment) and the tile config."""
-    block_p = next_power_of_2(num_pairs) if num_pairs <= MAX_PAIRS_ONE_PROGRAM else 0
-    return block_p, kernel_config(num_pairs, device)
+    return _alignment_lanes(num_pairs), kernel_config(num_pairs, device)
 
 
 def variant_token_counts(slots: int, max_tokens: int, device: torch.device) -> list[int]:
