@@ -68,6 +68,18 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     step dsv2lite_nextn 150 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
       --batch-sizes 1 32 -- --cuda-graph-max-bs 32 $nextn_3_1_4
     ;;
+  v2lite-step)  # V2-Lite's plain decode step alone; a repeated stage logs to dsv2lite_step_2.log, ...
+    runs=$(find "$out" -maxdepth 1 -name 'dsv2lite_step*.log' | wc -l)
+    name=dsv2lite_step$( ((runs)) && echo "_$((runs + 1))")
+    step "$name" 120 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
+      --batch-sizes 1 32 -- --cuda-graph-max-bs 32
+    grep -h "warmed up" "$out/$name.log" | tail -1 | tee -a "$out/summary.log"
+    ;;
+  gemv-pdl)  # V2-Lite's GEMV table measured with PDL tiles allowed (into this machine's copy of layers/tuned/)
+    step tune_gemv_v2lite 200 python3 benchmark/kernels/bench_gemv.py --models v2lite --rows 1 4 8 32 --write-table \
+      --jsonl "$out/gemv_v2lite.jsonl"
+    cp python/sglang/srt/layers/tuned/gemv-*.json "$out/" 2>/dev/null
+    ;;
   profile-deepseek)  # V2-Lite's batch-1 decode step: op tables and timeline summary
     step dsv2lite_profile 150 python3 benchmark/profile_engine.py --config benchmark/configs/deepseek-v2-lite.json \
       --batch-size 1 --num-steps 30 --output-dir /tmp/profile_v2lite -- --cuda-graph-max-bs 8
@@ -106,6 +118,6 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     step llama8b_profile 200 python3 benchmark/profile_engine.py --config benchmark/configs/llama-3.1-8b.json \
       --output-dir "$out/profile" -- --cuda-graph-max-bs 8
     ;;
-  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|launch|tune|decode|deepseek|profile-deepseek|small-deepseek|nextn-serving|graphs"; exit 2 ;;
+  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|graphs"; exit 2 ;;
 esac
 done
