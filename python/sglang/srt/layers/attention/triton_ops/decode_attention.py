@@ -11,6 +11,8 @@ finely (SPLIT_SCALE), so that a short context still costs each program a single 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -23,6 +25,21 @@ MAX_KV_SPLITS = 16  # grid size along the split axis (a power of two: stage 2 ti
 MIN_TOKENS_PER_SPLIT = 64
 BLOCK_H = 16  # query heads per program; tl.dot needs >= 16 rows
 LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """Stage 1's launch: KV tokens per block step, warps and pipeline stages."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int = 2
+
+
+def default_tile(tiling: HeadDimTiling) -> DecodeTile:
+    """Wide keys (MLA's 576 channels) take 32-token blocks and 8 warps: with 4, the [16, 512]
+    accumulator, q and the K and V blocks need more than 255 registers a thread and spill."""
+    return DecodeTile(64, 4) if tiling.block_d <= 256 else DecodeTile(32, 8)
 
 
 def num_kv_splits(seq_lens: torch.Tensor) -> torch.Tensor:
@@ -152,11 +169,13 @@ def decode_attention(
     kv_indices: torch.Tensor,
     num_splits: torch.Tensor,
     scaling: float,
+    tile: Optional[DecodeTile] = None,
 ) -> None:
     """q: [bs, H, Lk]; k_cache: [slots, Hkv, Lk]; v_cache: [slots, Hkv, Lv]; out: [bs, H, Lv].
 
     Request i attends to the slots kv_indices[kv_indptr[i]:kv_indptr[i+1]]; num_splits[i]
     (int32, 1..MAX_KV_SPLITS, from num_kv_splits) sets how many programs share its KV.
+    `tile` overrides default_tile (benchmarks).
     """
     bs, num_heads, lk = q.shape
     num_kv_heads, lv = k_cache.shape[1], v_cache.shape[-1]
@@ -167,8 +186,8 @@ def decode_attention(
     head_blocks = cdiv(group, BLOCK_H)
     part_o = torch.empty((bs, num_heads, MAX_KV_SPLITS, lv), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((bs, num_heads, MAX_KV_SPLITS), dtype=torch.float32, device=q.device)
-    block_n = 64 if tiling.block_d <= 256 else 32
-    split_scale = MIN_TOKENS_PER_SPLIT // block_n
+    tile = tile or default_tile(tiling)
+    split_scale = MIN_TOKENS_PER_SPLIT // tile.block_n
     _decode_stage1_kernel[(bs, num_kv_heads * head_blocks, MAX_KV_SPLITS)](
         q, k_cache, v_cache, kv_indptr, kv_indices, num_splits, part_o, part_lse,
         scaling * LOG2E,
@@ -177,8 +196,8 @@ def decode_attention(
         GROUP=group, HEAD_BLOCKS=head_blocks,
         LK=lk, LV=lv, D_MAIN=tiling.d_main,
         BLOCK_D=tiling.block_d, BLOCK_DPE=tiling.block_dpe, BLOCK_DV=tiling.block_dv,
-        BLOCK_H=BLOCK_H, BLOCK_N=block_n, SPLIT_SCALE=split_scale,
-        num_warps=4, num_stages=2,
+        BLOCK_H=BLOCK_H, BLOCK_N=tile.block_n, SPLIT_SCALE=split_scale,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     _decode_stage2_kernel[(bs, num_heads)](
         part_o, part_lse, out, num_splits,
