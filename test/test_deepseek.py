@@ -182,9 +182,9 @@ def test_moe_with_shared_experts_matches_transformers(tp_size, monkeypatch):
             moe.experts.weight_loader("down_proj", e, experts.down_proj[e])
         for shard in ("gate_proj", "up_proj", "down_proj"):
             moe.experts.weight_loader(shard, None, getattr(hf.shared_experts, shard).weight)
-        out += moe.experts(x, *moe.gate(x))  # this rank's partial sum
+        out += moe.experts(x, moe.gate(x), moe.gate.e_score_correction_bias)  # this rank's partial sum
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert moe.experts(x[:0], *moe.gate(x[:0])).shape == (0, 32)
+    assert moe.experts(x[:0], moe.gate(x[:0]), moe.gate.e_score_correction_bias).shape == (0, 32)
 
 
 # ---- NextN draft ----------------------------------------------------------------------------

@@ -121,7 +121,7 @@ def test_mla_rope_pack_matches_rope_and_cat(norm, broadcast, neox, num_tokens, d
 
 
 def _interpreted_pack(
-    rope, positions, q_pe, k_pe, latent, q_out, kv_store=None, latent_norm=None, absorb=None
+    rope, positions, q_pe, k_pe, latent, q_out, kv_store=None, latent_norm=None
 ) -> torch.Tensor | None:
     """The Triton path on CPU tensors (mla_rope_pack dispatches on is_cuda)."""
     from sglang.srt.layers.mla_triton import mla_rope_pack_triton
@@ -129,37 +129,8 @@ def _interpreted_pack(
     scale = rope.mscale if isinstance(rope, DeepseekScalingRotaryEmbedding) else 1.0
     norm = None if latent_norm is None else (latent_norm.weight, latent_norm.variance_epsilon)
     return mla_rope_pack_triton(
-        positions, q_pe, k_pe, latent, q_out, rope.cos_sin_cache, scale, rope.is_neox_style, kv_store, norm, absorb
+        positions, q_pe, k_pe, latent, q_out, rope.cos_sin_cache, scale, rope.is_neox_style, kv_store, norm
     )
-
-
-@kernel_test
-@pytest.mark.parametrize("store", [False, True])
-@pytest.mark.parametrize("num_tokens", [1, 5, 16])
-def test_mla_rope_pack_absorbs_q_nope_in_its_launch(num_tokens, store):
-    """absorb: the rope launch's extra programs write q_nope @ W_UK into q's latent channels;
-    q, k and the pool equal head_matmul's kernel followed by the rope launch, bit for bit."""
-    from sglang.srt.layers.mla_triton import head_matmul_triton
-
-    heads, nope, rot, latent_dim, slots = 3, 8, 16, 24, 20
-    gen = torch.Generator().manual_seed(num_tokens)
-    rand = lambda *s: torch.randn(*s, generator=gen).to(DEVICE, DTYPES[0])  # noqa: E731
-    q, k_pe, latent = rand(num_tokens, heads, nope + rot), rand(num_tokens, rot), rand(num_tokens, latent_dim)
-    w_uk = rand(heads, nope + 6, latent_dim)[:, :nope]  # a view of kv_b_proj's weight, as W_UK is
-    positions = torch.randint(0, 256, (num_tokens,), generator=gen).to(DEVICE)
-    loc = torch.randperm(slots, generator=gen)[:num_tokens].to(DEVICE)
-    rope = _rope_modules(neox=False)[0].to(DEVICE)
-    outputs = []
-    for absorb in (None, (q[..., :nope], w_uk)):
-        q_out = torch.full((num_tokens, heads, latent_dim + rot), 7.0, dtype=DTYPES[0], device=DEVICE)
-        pool = torch.full((slots, 1, latent_dim + rot), -3.0, dtype=DTYPES[0], device=DEVICE)
-        if absorb is None:
-            head_matmul_triton(q[..., :nope], w_uk, q_out[..., :latent_dim])
-        k = _interpreted_pack(rope, positions, q[..., nope:], k_pe, latent, q_out, (pool, loc) if store else None,
-                              absorb=absorb)
-        outputs.append((q_out, pool if store else k))
-    (want_q, want_k), (got_q, got_k) = outputs
-    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
 @kernel_test
@@ -213,11 +184,10 @@ def test_deepseek_with_the_latent_stored_by_rope_matches_plain(tmp_path):
     ref_logits, ref_tokens = run(rope_stores=False)
     stores = [0]
 
-    def kernel_stores(rope, positions, q_pe, k_pe, latent, q_out, kv_store=None, latent_norm=None, absorb=None):
-        # The kernel norms the latent and computes q's latent channels too (12 tokens at most).
-        assert kv_store is not None and latent_norm is not None and absorb is not None
+    def kernel_stores(rope, positions, q_pe, k_pe, latent, q_out, kv_store=None, latent_norm=None):
+        assert kv_store is not None and latent_norm is not None  # the kernel norms the latent too
         stores[0] += 1
-        return _interpreted_pack(rope, positions, q_pe, k_pe, latent, q_out, kv_store, latent_norm, absorb)
+        return _interpreted_pack(rope, positions, q_pe, k_pe, latent, q_out, kv_store, latent_norm)
 
     with mock.patch("sglang.srt.models.deepseek_v2.mla_rope_pack", kernel_stores):
         logits, tokens = run(rope_stores=True)
@@ -242,30 +212,6 @@ def test_router_logits_match_float32_linear(shape, num_tokens):
     assert got.dtype == torch.float32 and got.shape == (num_tokens, num_experts)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(got, F.linear(x.float(), weight), atol=1e-4, rtol=1e-5)
-
-
-@kernel_test
-# 8 tokens: the last fused batch; 9: the two launches.
-@pytest.mark.parametrize("num_tokens", [0, 1, 3, 8, 9])
-@pytest.mark.parametrize("routing", [
-    RoutingConfig(6, 64, num_shared_experts=2),
-    RoutingConfig(8, 64, "sigmoid", "noaux_tc", 8, 4, renormalize=True, routed_scaling_factor=2.5, num_shared_experts=1),
-], ids=lambda r: r.topk_method)
-def test_route_in_one_launch_matches_two(routing, num_tokens):
-    """Logits and top-k in one launch (its last program per token routes it) give the two
-    launches' weights and ids exactly, twice in a row (the arrival counters reset)."""
-    from sglang.srt.layers.arrival import arrival_counters
-    from sglang.srt.layers.moe.topk_triton import route, router_logits, select_experts_triton
-
-    gen = torch.Generator().manual_seed(num_tokens)
-    x = torch.randn(num_tokens, 256 + 8, generator=gen).to(DEVICE, DTYPES[0])[:, :256]  # a column slice
-    weight = torch.randn(routing.num_experts, 256, generator=gen).to(DEVICE)
-    bias = torch.randn(routing.num_experts, generator=gen).to(DEVICE) if routing.topk_method == "noaux_tc" else None
-    want = select_experts_triton(router_logits(x, weight), routing, bias)
-    for _ in range(2):
-        got = route(x, weight, routing, bias)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert not arrival_counters(torch.device(DEVICE)).any()
 
 
 # Tiles that do not divide the widths (hidden 40 / 2048, intermediate 24 / 1408); None: the

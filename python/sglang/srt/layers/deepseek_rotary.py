@@ -137,7 +137,6 @@ def mla_rope_pack(
     q_out: torch.Tensor,
     kv_store: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     latent_norm: Optional[RMSNorm] = None,
-    absorb: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Optional[torch.Tensor]:
     """MLA's attention inputs from one rope step.
 
@@ -149,22 +148,17 @@ def mla_rope_pack(
     kv_store = (one layer's MLA pool buffer [slots, 1, L + R], loc [T]): k is stored into the
     buffer's rows loc instead, cast to its dtype (as the pool's set_kv_buffer stores it), and
     None is returned; on CUDA in the same launch. latent_norm (kv_a_layernorm) norms the
-    latent first, on CUDA in the same launch too. absorb = (q_nope [T, H, N], W_UK [H, N, L])
-    fills q_out's first L channels with head_matmul(q_nope, W_UK), in the same launch where
-    head_matmul takes its kernel.
+    latent first, on CUDA in the same launch too.
     """
     latent_dim, rot = latent.shape[-1], q_pe.shape[-1]
     assert rope.rotary_dim == rope.head_size == rot and q_out.shape[-1] == latent_dim + rot
-    if absorb is not None and not _head_matmul_takes_kernel(absorb[0]):
-        head_matmul(*absorb, q_out[..., :latent_dim])
-        absorb = None
     if q_pe.is_cuda:
         from sglang.srt.layers.mla_triton import mla_rope_pack_triton  # triton ships with CUDA builds of torch
 
         scale = rope.mscale if isinstance(rope, DeepseekScalingRotaryEmbedding) else 1.0
         norm = None if latent_norm is None else (latent_norm.weight, latent_norm.variance_epsilon)
         return mla_rope_pack_triton(
-            positions, q_pe, k_pe, latent, q_out, rope.cos_sin_cache, scale, rope.is_neox_style, kv_store, norm, absorb
+            positions, q_pe, k_pe, latent, q_out, rope.cos_sin_cache, scale, rope.is_neox_style, kv_store, norm
         )
     if latent_norm is not None:
         latent = latent_norm.forward_native(latent)
@@ -176,21 +170,3 @@ def mla_rope_pack(
     kv_buffer, loc = kv_store
     kv_buffer[loc] = k.to(kv_buffer.dtype).unsqueeze(1)
     return None
-
-
-def _head_matmul_takes_kernel(a: torch.Tensor) -> bool:
-    if not a.is_cuda:
-        return False
-    from sglang.srt.layers.mla_triton import HEAD_MATMUL_MAX_TOKENS  # triton ships with CUDA builds of torch
-
-    return a.shape[0] <= HEAD_MATMUL_MAX_TOKENS
-
-
-def head_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """out[t, h] = a[t, h] @ b[h] for a [T, H, K], b [H, K, N] and out [T, H, N] (views of
-    any strides); out is written in place, so it may be a channel slice of a wider tensor."""
-    if _head_matmul_takes_kernel(a):
-        from sglang.srt.layers.mla_triton import head_matmul_triton
-
-        return head_matmul_triton(a, b, out)
-    torch.bmm(a.transpose(0, 1), b, out=out.transpose(0, 1))

@@ -12,9 +12,7 @@ every value equals the rope module's forward_triton.
 
 `head_matmul_triton`: out[t, h] = a[t, h] @ b[h] for up to HEAD_MATMUL_MAX_TOKENS tokens,
 any strides (q_nope @ W_UK into q's latent channels, o_latent @ W_UV^T), where cuBLAS's
-batched GEMM takes 3-6 us for these 16 head-sized GEMVs at batch 1. The rope-and-pack
-launch can run q_nope @ W_UK in its own programs (`absorb`): the two are independent
-writers of q's channels, and a decode layer saves a launch.
+batched GEMM takes 3-6 us for these 16 head-sized GEMVs at batch 1.
 """
 
 from __future__ import annotations
@@ -32,17 +30,18 @@ HEAD_MATMUL_MAX_TOKENS = 16  # one tl.dot row tile; larger batches take torch.bm
 
 
 @triton.jit
-def _rope_pack_program(
-    t, h, pos_ptr, cos_sin_ptr, cs_stride, scale,
+def _mla_rope_pack_kernel(
+    pos_ptr, cos_sin_ptr, cs_stride, scale,
     q_pe_ptr, k_pe_ptr, latent_ptr, q_out, k_out, k_loc_ptr, norm_w_ptr, norm_eps,
     q_pe_stride_t, q_pe_stride_h, k_pe_stride_t, latent_stride_t, q_out_stride_t, q_out_stride_h,
     num_heads,
     LATENT: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, AT_LOC: tl.constexpr, NORM_LATENT: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_LATENT: tl.constexpr,
 ):
-    # Token t (int64): q head h < num_heads rotated into q_out[t, h, LATENT:], or (h ==
-    # num_heads) k[t] to row t of k_out, or (AT_LOC) to row k_loc[t] of a KV pool's layer
-    # buffer; NORM_LATENT: its latent part is norm_w * rmsnorm(latent[t]).
+    # k[t] goes to row t of k_out, or (AT_LOC) to row k_loc[t] of a KV pool's layer buffer;
+    # NORM_LATENT: its latent part is norm_w * rmsnorm(latent[t]).
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
     row = tl.load(pos_ptr + t).to(tl.int64)
     half = tl.arange(0, BLOCK_HALF)
     mask = half < ROT // 2
@@ -62,55 +61,6 @@ def _rope_pack_program(
         tl.store(k_row + cols, latent.to(k_out.dtype.element_ty), mask=valid)
 
 
-@triton.jit
-def _mla_rope_pack_kernel(
-    pos_ptr, cos_sin_ptr, cs_stride, scale,
-    q_pe_ptr, k_pe_ptr, latent_ptr, q_out, k_out, k_loc_ptr, norm_w_ptr, norm_eps,
-    q_pe_stride_t, q_pe_stride_h, k_pe_stride_t, latent_stride_t, q_out_stride_t, q_out_stride_h,
-    num_heads,
-    LATENT: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, AT_LOC: tl.constexpr, NORM_LATENT: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_LATENT: tl.constexpr,
-):
-    # Program (t, h): _rope_pack_program(t, h).
-    _rope_pack_program(
-        tl.program_id(0).to(tl.int64), tl.program_id(1), pos_ptr, cos_sin_ptr, cs_stride, scale,
-        q_pe_ptr, k_pe_ptr, latent_ptr, q_out, k_out, k_loc_ptr, norm_w_ptr, norm_eps,
-        q_pe_stride_t, q_pe_stride_h, k_pe_stride_t, latent_stride_t, q_out_stride_t, q_out_stride_h,
-        num_heads, LATENT, ROT, NEOX, AT_LOC, NORM_LATENT, BLOCK_HALF, BLOCK_LATENT,
-    )
-
-
-@triton.jit(do_not_specialize=["num_tokens"])
-def _mla_absorb_rope_pack_kernel(
-    nope_ptr, w_uk_ptr, num_tokens, stride_nt, stride_nh, stride_nk, stride_wh, stride_wk, stride_wn,
-    pos_ptr, cos_sin_ptr, cs_stride, scale,
-    q_pe_ptr, k_pe_ptr, latent_ptr, q_out, k_out, k_loc_ptr, norm_w_ptr, norm_eps,
-    q_pe_stride_t, q_pe_stride_h, k_pe_stride_t, latent_stride_t, q_out_stride_t, q_out_stride_h,
-    num_heads,
-    NOPE: tl.constexpr, LATENT: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, AT_LOC: tl.constexpr,
-    NORM_LATENT: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_LATENT: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, N_TILES: tl.constexpr,
-):
-    # The first num_heads * N_TILES programs write q_out[..., :LATENT] = q_nope @ W_UK per
-    # head (tile j of head h); the others are _rope_pack_program(t, h) for every (t, h).
-    pid = tl.program_id(0)
-    matmul_programs = num_heads * N_TILES
-    if pid < matmul_programs:
-        _head_matmul_tile(
-            nope_ptr, w_uk_ptr, q_out, (pid // N_TILES).to(tl.int64), pid % N_TILES, num_tokens,
-            stride_nt, stride_nh, stride_nk, stride_wh, stride_wk, stride_wn, q_out_stride_t, q_out_stride_h, 1,
-            NOPE, LATENT, BLOCK_T, BLOCK_K, BLOCK_N,
-        )
-    else:
-        rope = pid - matmul_programs
-        _rope_pack_program(
-            (rope // (num_heads + 1)).to(tl.int64), rope % (num_heads + 1), pos_ptr, cos_sin_ptr, cs_stride, scale,
-            q_pe_ptr, k_pe_ptr, latent_ptr, q_out, k_out, k_loc_ptr, norm_w_ptr, norm_eps,
-            q_pe_stride_t, q_pe_stride_h, k_pe_stride_t, latent_stride_t, q_out_stride_t, q_out_stride_h,
-            num_heads, LATENT, ROT, NEOX, AT_LOC, NORM_LATENT, BLOCK_HALF, BLOCK_LATENT,
-        )
-
-
 def mla_rope_pack_triton(
     positions: torch.Tensor,
     q_pe: torch.Tensor,
@@ -122,16 +72,13 @@ def mla_rope_pack_triton(
     is_neox_style: bool,
     kv_store: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     latent_norm: Optional[tuple[torch.Tensor, float]] = None,
-    absorb: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Optional[torch.Tensor]:
     """See deepseek_rotary.mla_rope_pack; cos_sin_cache [P, R] is cos | sin halves, float32.
 
     kv_store = (one layer's MLA pool buffer [slots, 1, L + R] contiguous, loc [T] slots):
     k[t] is written to the buffer's row loc[t], cast to its dtype, and nothing is returned
     (the launch that stored k in the pool is saved). latent_norm = (weight [L], eps): the
-    latent is RMS-normed first, rounded as RMSNorm rounds (the norm's launch is saved).
-    absorb = (q_nope [T, H, N], W_UK [H, N, L]), T <= HEAD_MATMUL_MAX_TOKENS: the same launch
-    also writes q_out[..., :L] = q_nope @ W_UK per head, as head_matmul_triton does."""
+    latent is RMS-normed first, rounded as RMSNorm rounds (the norm's launch is saved)."""
     num_tokens, num_heads, rot = q_pe.shape
     latent_dim = latent.shape[-1]
     assert q_pe.stride(-1) == k_pe.stride(-1) == latent.stride(-1) == q_out.stride(-1) == 1
@@ -142,42 +89,29 @@ def mla_rope_pack_triton(
         k_out, k_loc = kv_store
         assert k_out.is_contiguous() and k_out.shape[1:] == (1, latent_dim + rot) and k_loc.shape == (num_tokens,)
         k_loc = k_loc.contiguous()
-    if not num_tokens:
-        return k_out if kv_store is None else None
-    rope_args = (
-        positions.contiguous(), cos_sin_cache, cos_sin_cache.stride(0), scale,
-        q_pe, k_pe, latent, q_out, k_out, k_loc, *(latent_norm or (latent, 0.0)),
-        q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), latent.stride(0), q_out.stride(0), q_out.stride(1),
-        num_heads,
-    )
-    rope_constants = dict(
-        LATENT=latent_dim, ROT=rot, NEOX=is_neox_style, AT_LOC=kv_store is not None,
-        NORM_LATENT=latent_norm is not None,
-        BLOCK_HALF=next_power_of_2(rot // 2), BLOCK_LATENT=next_power_of_2(latent_dim),
-    )
-    if absorb is None:
-        _mla_rope_pack_kernel[(num_tokens, num_heads + 1)](*rope_args, **rope_constants, num_warps=1)
-    else:
-        q_nope, w_uk = absorb
-        assert num_tokens <= HEAD_MATMUL_MAX_TOKENS and w_uk.shape == (num_heads, q_nope.shape[-1], latent_dim)
-        block_n = _head_block_n(latent_dim)
-        n_tiles = cdiv(latent_dim, block_n)
-        _mla_absorb_rope_pack_kernel[(num_heads * n_tiles + num_tokens * (num_heads + 1),)](
-            q_nope, w_uk, num_tokens, *q_nope.stride(), *w_uk.stride(), *rope_args,
-            NOPE=q_nope.shape[-1], **rope_constants, BLOCK_T=16, BLOCK_K=128, BLOCK_N=block_n, N_TILES=n_tiles,
-            num_warps=4, num_stages=2,
+    if num_tokens:
+        _mla_rope_pack_kernel[(num_tokens, num_heads + 1)](
+            positions.contiguous(), cos_sin_cache, cos_sin_cache.stride(0), scale,
+            q_pe, k_pe, latent, q_out, k_out, k_loc, *(latent_norm or (latent, 0.0)),
+            q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), latent.stride(0), q_out.stride(0), q_out.stride(1),
+            num_heads,
+            LATENT=latent_dim, ROT=rot, NEOX=is_neox_style, AT_LOC=kv_store is not None,
+            NORM_LATENT=latent_norm is not None,
+            BLOCK_HALF=next_power_of_2(rot // 2), BLOCK_LATENT=next_power_of_2(latent_dim),
+            num_warps=1,
         )
     return k_out if kv_store is None else None
 
 
-@triton.jit
-def _head_matmul_tile(
-    a_ptr, b_ptr, c_ptr, h, j, num_tokens,
+@triton.jit(do_not_specialize=["num_tokens"])
+def _head_matmul_kernel(
+    a_ptr, b_ptr, c_ptr, num_tokens, K, N,
     stride_at, stride_ah, stride_ak, stride_bh, stride_bk, stride_bn, stride_ct, stride_ch, stride_cn,
-    K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # Columns [j * BLOCK_N, (j + 1) * BLOCK_N) of head h (int64) for every token.
-    offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Program (h, j): columns [j * BLOCK_N, (j + 1) * BLOCK_N) of head h for every token.
+    h = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     toks = tl.arange(0, BLOCK_T)
     valid_t, valid_n = toks < num_tokens, offs_n < N
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
@@ -202,20 +136,6 @@ def _head_matmul_tile(
     )
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
-def _head_matmul_kernel(
-    a_ptr, b_ptr, c_ptr, num_tokens,
-    stride_at, stride_ah, stride_ak, stride_bh, stride_bk, stride_bn, stride_ct, stride_ch, stride_cn,
-    K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    # Program (h, j): _head_matmul_tile(h, j).
-    _head_matmul_tile(
-        a_ptr, b_ptr, c_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), num_tokens,
-        stride_at, stride_ah, stride_ak, stride_bh, stride_bk, stride_bn, stride_ct, stride_ch, stride_cn,
-        K, N, BLOCK_T, BLOCK_K, BLOCK_N,
-    )
-
-
 def head_matmul_triton(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """out[t, h] = a[t, h] @ b[h]: a [T, H, K], b [H, K, N], out [T, H, N], T <= HEAD_MATMUL_MAX_TOKENS."""
     num_tokens, num_heads, k_dim = a.shape
@@ -223,15 +143,10 @@ def head_matmul_triton(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> N
     assert num_tokens <= HEAD_MATMUL_MAX_TOKENS and b.shape[:2] == (num_heads, k_dim)
     if not num_tokens:
         return
-    block_n = _head_block_n(n_dim)
+    block_n = max(16, min(64, next_power_of_2(n_dim) // 8))  # 8 programs a head for N 512 and 128
     _head_matmul_kernel[(num_heads, cdiv(n_dim, block_n))](
-        a, b, out, num_tokens,
+        a, b, out, num_tokens, k_dim, n_dim,
         *a.stride(), *b.stride(), *out.stride(),
-        K=k_dim, N=n_dim, BLOCK_T=16, BLOCK_K=128, BLOCK_N=block_n,
+        BLOCK_T=16, BLOCK_K=128, BLOCK_N=block_n,
         num_warps=4, num_stages=2,
     )
-
-
-def _head_block_n(n_dim: int) -> int:
-    """Output columns per head-matmul program: 8 programs a head for N 512 and 128."""
-    return max(16, min(64, next_power_of_2(n_dim) // 8))

@@ -25,7 +25,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from sglang.srt.distributed.parallel_state import get_attn_tp, tensor_model_parallel_all_reduce
-from sglang.srt.layers.deepseek_rotary import head_matmul, mla_rope_pack, yarn_get_mscale
+from sglang.srt.layers.deepseek_rotary import mla_rope_pack, yarn_get_mscale
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
@@ -37,7 +37,7 @@ from sglang.srt.layers.linear import (
 )
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.moe.fused_moe import FusedMoE
-from sglang.srt.layers.moe.topk import RoutingConfig, select_experts
+from sglang.srt.layers.moe.topk import RoutingConfig
 from sglang.srt.layers.radix_attention import RadixAttention, rope_stores_kv
 from sglang.srt.layers.rotary_embedding import get_rope, get_rope_params
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -100,32 +100,28 @@ class DeepseekV2MLP(nn.Module):
 
 
 class MoEGate(nn.Module):
-    """Routing: router logits in float32, then each token's slots (layers/moe/topk.py); V3
-    adds a per-expert bias used only for expert choice. The weight is kept in float32 (cast
-    once at load, not at every forward); on CUDA the input is cast in registers, and a
-    decode batch is routed in the same launch as its logits (topk_triton.route)."""
+    """Router logits in float32; V3 adds a per-expert bias used only for expert choice.
+    The weight is kept in float32 (cast once at load, not at every forward); on CUDA the
+    input is cast in registers (router_logits), not copied."""
 
-    def __init__(self, config: PretrainedConfig, routing: RoutingConfig):
+    def __init__(self, config: PretrainedConfig, with_correction_bias: bool):
         super().__init__()
-        self.routing = routing
         self.weight = nn.Parameter(
             torch.empty(config.n_routed_experts, config.hidden_size, dtype=torch.float32), requires_grad=False
         )
-        if routing.topk_method == "noaux_tc":
+        if with_correction_bias:
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(config.n_routed_experts, dtype=torch.float32), requires_grad=False
             )
         else:
             self.register_parameter("e_score_correction_bias", None)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, slots] float32, expert ids [T, slots]) as select_experts returns them."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from sglang.srt.layers.moe.topk_triton import route  # triton ships with CUDA builds of torch
+            from sglang.srt.layers.moe.topk_triton import router_logits  # triton ships with CUDA builds of torch
 
-            return route(x, self.weight, self.routing, self.e_score_correction_bias)
-        logits = torch.nn.functional.linear(x.float(), self.weight)
-        return select_experts(logits, self.routing, self.e_score_correction_bias)
+            return router_logits(x, self.weight)
+        return torch.nn.functional.linear(x.float(), self.weight)
 
 
 class DeepseekV2MoE(nn.Module):
@@ -134,12 +130,23 @@ class DeepseekV2MoE(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         routing = routing_config(config)
-        self.gate = MoEGate(config, routing)
+        self.gate = MoEGate(config, with_correction_bias=routing.topk_method == "noaux_tc")
         self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, routing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, *self.gate(x))  # routed + shared
+        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias)  # routed + shared
         return tensor_model_parallel_all_reduce(out)
+
+
+def head_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out[t, h] = a[t, h] @ b[h] for a [T, H, K], b [H, K, N] and out [T, H, N] (views of
+    any strides); out is written in place, so it may be a channel slice of a wider tensor."""
+    if a.is_cuda:  # triton ships with CUDA builds of torch
+        from sglang.srt.layers.mla_triton import HEAD_MATMUL_MAX_TOKENS, head_matmul_triton
+
+        if a.shape[0] <= HEAD_MATMUL_MAX_TOKENS:
+            return head_matmul_triton(a, b, out)
+    torch.bmm(a.transpose(0, 1), b, out=out.transpose(0, 1))
 
 
 class DeepseekV2Attention(nn.Module):
@@ -211,17 +218,17 @@ class DeepseekV2Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)  # no -1: T may be 0
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         w_uk, w_uv = self._absorbed_weights()
-        # q = (q_nope @ W_UK) ‖ rope(q_pe): one rope step writes both parts' channels (absorb),
-        # and norms the raw latent (kv_a_layernorm) on its way to k.
+        # q = (q_nope @ W_UK) ‖ rope(q_pe): the matmul and the rope step write their own channels;
+        # the rope step norms the raw latent (kv_a_layernorm) on its way to k.
         q_full = q.new_empty((num_tokens, self.num_heads, self.kv_lora_rank + self.qk_rope_head_dim))
-        absorb = (q_nope, w_uk)
+        head_matmul(q_nope, w_uk, q_full[..., : self.kv_lora_rank])
         if rope_stores_kv(q_full, forward_batch, MLATokenToKVPool):
             kv_store = (forward_batch.token_to_kv_pool.get_kv_buffer(self.attn.layer_id), forward_batch.out_cache_loc)
-            mla_rope_pack(self.rotary_emb, positions, q_pe, k_pe, latent, q_full, kv_store, self.kv_a_layernorm, absorb)
+            mla_rope_pack(self.rotary_emb, positions, q_pe, k_pe, latent, q_full, kv_store, self.kv_a_layernorm)
             o_latent = self.attn(q_full.flatten(1), None, None, forward_batch)  # the latent is read from the pool
         else:
             k_full = mla_rope_pack(  # [T, L + R], as pooled
-                self.rotary_emb, positions, q_pe, k_pe, latent, q_full, latent_norm=self.kv_a_layernorm, absorb=absorb
+                self.rotary_emb, positions, q_pe, k_pe, latent, q_full, latent_norm=self.kv_a_layernorm
             )
             o_latent = self.attn(q_full.flatten(1), k_full, k_full[:, : self.kv_lora_rank], forward_batch)
         o_latent = o_latent.view(num_tokens, self.num_heads, self.kv_lora_rank)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.distributed.parallel_state import get_tp_rank, get_tp_size
-from sglang.srt.layers.moe.topk import RoutingConfig
+from sglang.srt.layers.moe.topk import RoutingConfig, select_experts
 
 
 def moe_forward_native(
@@ -114,10 +114,13 @@ class FusedMoE(nn.Module):
 
         return warm_up_variants(self.w13_weight, self.w2_weight, self.routing.slots, max_tokens)
 
-    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum [T, H] of the routed and shared experts for the routing
-        topk_weights / topk_ids [T, slots] (select_experts); the caller all-reduces."""
-        experts = moe_forward_native
+    def forward(
+        self, hidden: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """This rank's partial sum [T, H] of the routed and shared experts; the caller all-reduces."""
+        route, experts = select_experts, moe_forward_native
         if hidden.is_cuda:  # triton ships with CUDA builds of torch; its kernels never sync with the host
             from sglang.srt.layers.moe.fused_moe_triton import fused_moe as experts
+            from sglang.srt.layers.moe.topk_triton import select_experts_triton as route
+        topk_weights, topk_ids = route(router_logits, self.routing, correction_bias)
         return experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)

@@ -1,5 +1,4 @@
-"""Expert routing on CUDA: the router's float32 logits and `select_experts`, one kernel each
-or both in one.
+"""Expert routing on CUDA: the router's float32 logits and `select_experts`, one kernel each.
 
 `router_logits`: x @ W^T with W float32 and x read in its own dtype (cast in registers),
 for decode-sized batches (and a small model's verify batches) in one launch where a float32
@@ -10,10 +9,6 @@ registers and does what the plain-PyTorch `select_experts` does in a dozen kerne
 (softmax or sigmoid), group ranking and masking, top-k by repeated arg-max, renormalization
 and scaling, then the shared experts' slots. Experts of a group are contiguous (group g
 owns experts [g * group_size, (g + 1) * group_size)).
-
-`route`: both in one launch for up to ROUTE_FUSED_MAX_TOKENS tokens; program (e, t) writes
-expert e's logit of token t and the last of token t's programs to arrive routes it
-(layers/arrival.py), saving the second launch of a decode step's MoE layer.
 
 No host reads: every grid and loop bound comes from shapes and the routing config.
 """
@@ -27,7 +22,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.arrival import arrival_counters, arrive_last
 from sglang.srt.layers.moe.topk import RoutingConfig
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
@@ -43,10 +37,6 @@ NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
 ROUTER_BLOCK_TOKENS = 16
 ROUTER_REREAD_BYTES = 8 << 20
 _ROUTER_TILE = 4096  # float32 products one program keeps in registers per step
-# `route`: router and top-k in one launch for decode-sized batches. Its last program per token
-# routes that token alone, so larger batches take the two launches, whose top-k runs a
-# program per token.
-ROUTE_FUSED_MAX_TOKENS = 8
 
 
 def router_takes_kernel(num_tokens: int, num_experts: int, hidden: int, itemsize: int) -> bool:
@@ -54,14 +44,18 @@ def router_takes_kernel(num_tokens: int, num_experts: int, hidden: int, itemsize
     return num_tokens <= ROUTER_BLOCK_TOKENS or num_experts * num_tokens * hidden * itemsize <= ROUTER_REREAD_BYTES
 
 
-@triton.jit
-def _logits_block(x_ptr, w_ptr, out_ptr, e, toks, num_tokens, x_stride, w_stride, out_stride,
-                  HIDDEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Expert e's float32 logits of the token rows toks (those < num_tokens).
+@triton.jit(do_not_specialize=["num_tokens"])
+def _router_logits_kernel(
+    x_ptr, w_ptr, out_ptr, num_tokens, hidden, x_stride, w_stride, out_stride,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Program (e, j): logit of expert e for tokens [j * BLOCK_T, (j + 1) * BLOCK_T), float32 throughout.
+    e = tl.program_id(0).to(tl.int64)
+    toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     acc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, HIDDEN, BLOCK_K):
+    for k0 in range(0, hidden, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        valid_k = cols < HIDDEN
+        valid_k = cols < hidden
         w = tl.load(w_ptr + e * w_stride + cols, mask=valid_k, other=0.0).to(tl.float32)
         x = tl.load(
             x_ptr + toks[:, None] * x_stride + cols[None, :],
@@ -70,17 +64,6 @@ def _logits_block(x_ptr, w_ptr, out_ptr, e, toks, num_tokens, x_stride, w_stride
         )
         acc += x.to(tl.float32) * w[None, :]
     tl.store(out_ptr + toks * out_stride + e, tl.sum(acc, axis=1), mask=toks < num_tokens)
-
-
-@triton.jit(do_not_specialize=["num_tokens"])
-def _router_logits_kernel(
-    x_ptr, w_ptr, out_ptr, num_tokens, x_stride, w_stride, out_stride,
-    HIDDEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    # Program (e, j): logit of expert e for tokens [j * BLOCK_T, (j + 1) * BLOCK_T), float32 throughout.
-    toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    _logits_block(x_ptr, w_ptr, out_ptr, tl.program_id(0).to(tl.int64), toks, num_tokens,
-                  x_stride, w_stride, out_stride, HIDDEN, BLOCK_T, BLOCK_K)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -96,8 +79,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         block_t = min(next_power_of_2(num_tokens), ROUTER_BLOCK_TOKENS)
         block_k = min(next_power_of_2(hidden), _ROUTER_TILE // block_t)
         _router_logits_kernel[(num_experts, cdiv(num_tokens, block_t))](
-            x, weight, out, num_tokens, x.stride(0), weight.stride(0), out.stride(0),
-            HIDDEN=hidden, BLOCK_T=block_t, BLOCK_K=block_k,
+            x, weight, out, num_tokens, hidden, x.stride(0), weight.stride(0), out.stride(0),
+            BLOCK_T=block_t, BLOCK_K=block_k,
         )
     return out
 
@@ -125,18 +108,17 @@ def _top_group_mask(choice, offs, GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexp
 
 
 @triton.jit
-def _route_row(
-    logits, bias, out_weights, out_ids, row, stride_row, scale,
+def _route_kernel(
+    logits, bias, out_weights, out_ids, stride_row, scale,
     E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_K: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, METHOD: tl.constexpr,
     GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     RENORMALIZE: tl.constexpr,
 ):
-    # Routes token `row`: its slots' expert ids and weights. Logits come from L2 (.cg): in the
-    # fused launch other programs of this launch wrote them.
+    row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
-    x = tl.load(logits + row * stride_row + offs, mask=valid, other=NEG_INF, cache_modifier=".cg").to(tl.float32)
+    x = tl.load(logits + row * stride_row + offs, mask=valid, other=NEG_INF).to(tl.float32)
     if SIGMOID:
         scores = tl.sigmoid(x)
     else:
@@ -174,38 +156,6 @@ def _route_row(
     tl.store(out_weights + out, weights, mask=koffs < SLOTS)
 
 
-@triton.jit
-def _route_kernel(
-    logits, bias, out_weights, out_ids, stride_row, scale,
-    E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_K: tl.constexpr,
-    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, METHOD: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-):
-    # One program per token row.
-    _route_row(logits, bias, out_weights, out_ids, tl.program_id(0), stride_row, scale,
-               E, BLOCK_E, TOP_K, SLOTS, BLOCK_K, SIGMOID, HAS_BIAS, METHOD,
-               GROUP_SIZE, N_GROUP, TOPK_GROUP, BLOCK_G, RENORMALIZE)
-
-
-@triton.jit(do_not_specialize=["num_tokens"])
-def _router_route_kernel(
-    x_ptr, w_ptr, logits, counters, bias, out_weights, out_ids, num_tokens, x_stride, w_stride, scale,
-    E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_K: tl.constexpr,
-    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, METHOD: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    RENORMALIZE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_HIDDEN: tl.constexpr,
-):
-    # Program (e, t): expert e's logit of token t; the last of token t's E programs routes it.
-    t = tl.program_id(1)
-    _logits_block(x_ptr, w_ptr, logits, tl.program_id(0).to(tl.int64), t + tl.arange(0, 1), num_tokens,
-                  x_stride, w_stride, E, HIDDEN, 1, BLOCK_HIDDEN)
-    if arrive_last(counters + t, E):
-        _route_row(logits, bias, out_weights, out_ids, t, E, scale,
-                   E, BLOCK_E, TOP_K, SLOTS, BLOCK_K, SIGMOID, HAS_BIAS, METHOD,
-                   GROUP_SIZE, N_GROUP, TOPK_GROUP, BLOCK_G, RENORMALIZE)
-
-
 def select_experts_triton(
     router_logits: torch.Tensor, cfg: RoutingConfig, correction_bias: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,48 +168,20 @@ def select_experts_triton(
     if num_tokens == 0:
         return weights, ids
     logits = router_logits.contiguous()
+    n_group = cfg.num_expert_group or 1
+    block_e = next_power_of_2(cfg.num_experts)
     _route_kernel[(num_tokens,)](
         logits, correction_bias if correction_bias is not None else logits, weights, ids,
-        logits.stride(0), cfg.routed_scaling_factor, **_route_constants(cfg, correction_bias is not None),
-        num_warps=_route_warps(next_power_of_2(cfg.num_experts)),
-    )
-    return weights, ids
-
-
-def route(
-    x: torch.Tensor, gate_weight: torch.Tensor, cfg: RoutingConfig, correction_bias: Optional[torch.Tensor] = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """select_experts_triton(router_logits(x, gate_weight), ...): for up to ROUTE_FUSED_MAX_TOKENS
-    tokens in one launch, whose last program per token (arrival.arrive_last) routes it."""
-    num_tokens, hidden = x.shape
-    if num_tokens > ROUTE_FUSED_MAX_TOKENS or num_tokens == 0:
-        return select_experts_triton(router_logits(x, gate_weight), cfg, correction_bias)
-    device = x.device
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    logits = torch.empty((num_tokens, cfg.num_experts), dtype=torch.float32, device=device)
-    weights = torch.empty((num_tokens, cfg.slots), dtype=torch.float32, device=device)
-    ids = torch.empty((num_tokens, cfg.slots), dtype=torch.int64, device=device)
-    warps = _route_warps(next_power_of_2(cfg.num_experts))
-    _router_route_kernel[(cfg.num_experts, num_tokens)](
-        x, gate_weight, logits, arrival_counters(device), correction_bias if correction_bias is not None else logits,
-        weights, ids, num_tokens, x.stride(0), gate_weight.stride(0), cfg.routed_scaling_factor,
-        **_route_constants(cfg, correction_bias is not None), HIDDEN=hidden, BLOCK_HIDDEN=min(next_power_of_2(hidden), _ROUTER_TILE * warps // 4),
-        num_warps=warps,
-    )
-    return weights, ids
-
-
-def _route_constants(cfg: RoutingConfig, has_bias: bool) -> dict:
-    """The routing kernels' constexprs for cfg (has_bias: a correction bias is given)."""
-    n_group = cfg.num_expert_group or 1
-    return dict(
-        E=cfg.num_experts, BLOCK_E=next_power_of_2(cfg.num_experts),
+        logits.stride(0), cfg.routed_scaling_factor,
+        E=cfg.num_experts, BLOCK_E=block_e,
         TOP_K=cfg.top_k, SLOTS=cfg.slots, BLOCK_K=next_power_of_2(cfg.slots),
-        SIGMOID=cfg.scoring_func == "sigmoid", HAS_BIAS=has_bias,
+        SIGMOID=cfg.scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None,
         METHOD=_METHOD_CODES[cfg.topk_method],
         GROUP_SIZE=cfg.num_experts // n_group, N_GROUP=n_group, TOPK_GROUP=cfg.topk_group or 1,
         BLOCK_G=next_power_of_2(n_group), RENORMALIZE=cfg.renormalize,
+        num_warps=_route_warps(block_e),
     )
+    return weights, ids
 
 
 def _route_warps(block_e: int) -> int:
