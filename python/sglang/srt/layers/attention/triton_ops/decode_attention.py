@@ -29,11 +29,20 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class DecodeTile:
-    """Stage 1's launch: KV tokens per block step, warps and pipeline stages."""
+    """Stage 1's launch: KV tokens per block step, warps, pipeline stages, and the fewest KV
+    tokens a split gets (default block_n: a short context costs each program one block)."""
 
     block_n: int
     num_warps: int
     num_stages: int = 2
+    split_tokens: Optional[int] = None
+
+    @property
+    def split_scale(self) -> int:
+        """Splits per num_kv_splits unit."""
+        tokens = self.split_tokens or self.block_n
+        assert MIN_TOKENS_PER_SPLIT % tokens == 0
+        return MIN_TOKENS_PER_SPLIT // tokens
 
 
 def default_tile(tiling: HeadDimTiling) -> DecodeTile:
@@ -187,7 +196,7 @@ def decode_attention(
     part_o = torch.empty((bs, num_heads, MAX_KV_SPLITS, lv), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((bs, num_heads, MAX_KV_SPLITS), dtype=torch.float32, device=q.device)
     tile = tile or default_tile(tiling)
-    split_scale = MIN_TOKENS_PER_SPLIT // tile.block_n
+    split_scale = tile.split_scale
     _decode_stage1_kernel[(bs, num_kv_heads * head_blocks, MAX_KV_SPLITS)](
         q, k_cache, v_cache, kv_indptr, kv_indices, num_splits, part_o, part_lse,
         scaling * LOG2E,
