@@ -290,6 +290,29 @@ def test_wide_mla_decode_matches_torch_native():
 
 
 @kernel_test
+def test_every_benchmarked_mla_decode_tile_gives_the_default_tiles_output():
+    """The stage-1 tiles that benchmark/kernels/bench_mla_decode.py times attend alike (their
+    block sizes change the split points, so the sums differ in rounding only)."""
+    import importlib.util
+    from pathlib import Path
+
+    from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention
+
+    path = Path(__file__).resolve().parents[1] / "benchmark" / "kernels" / "bench_mla_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_mla_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    q, k, v, indptr, indices, splits = bench.make_case(2, 100, DEVICE)
+    outputs = []
+    for tile in [None, *bench.TILES]:
+        out = torch.empty(2, bench.HEADS, bench.LV, dtype=torch.bfloat16, device=DEVICE)
+        decode_attention(q, k, v, out, indptr, indices, splits, bench.LK**-0.5, tile)
+        outputs.append(out.float())
+    for out in outputs[1:]:
+        torch.testing.assert_close(out, outputs[0], atol=1e-2, rtol=1e-2)
+
+
+@kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [0, 1, 5, 16])
 def test_head_matmul_matches_bmm(num_tokens, dtype):

@@ -30,11 +30,7 @@ from sglang.srt.layers.attention.triton_ops.decode_attention import (  # noqa: E
 )
 
 HEADS, LK, LV = 16, 576, 512
-TILES = [
-    DecodeTile(32, 4), DecodeTile(32, 8), DecodeTile(16, 4), DecodeTile(64, 8),
-    DecodeTile(32, 8, split_tokens=16), DecodeTile(64, 8, split_tokens=16), DecodeTile(64, 8, split_tokens=32),
-    DecodeTile(64, 8, 1), DecodeTile(64, 8, 1, split_tokens=16), DecodeTile(16, 4, 1),
-]
+TILES = [DecodeTile(32, 4), DecodeTile(32, 8), DecodeTile(16, 4), DecodeTile(16, 4, 1), DecodeTile(64, 8), DecodeTile(64, 8, 1)]
 CASES = [(1, 192), (1, 1024), (1, 4096), (4, 192), (32, 192), (32, 1024)]  # (batch size, context tokens)
 
 

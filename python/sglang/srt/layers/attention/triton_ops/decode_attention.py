@@ -29,25 +29,19 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class DecodeTile:
-    """Stage 1's launch: KV tokens per block step, warps, pipeline stages, and the fewest KV
-    tokens a split gets (default block_n: a short context costs each program one block)."""
+    """Stage 1's launch: KV tokens per block step (also a split's fewest tokens: a short
+    context costs each program one block), warps and pipeline stages."""
 
     block_n: int
     num_warps: int
     num_stages: int = 2
-    split_tokens: Optional[int] = None
-
-    @property
-    def split_scale(self) -> int:
-        """Splits per num_kv_splits unit."""
-        tokens = self.split_tokens or self.block_n
-        assert MIN_TOKENS_PER_SPLIT % tokens == 0
-        return MIN_TOKENS_PER_SPLIT // tokens
 
 
 def default_tile(tiling: HeadDimTiling) -> DecodeTile:
     """Wide keys (MLA's 576 channels) take 32-token blocks and 8 warps: with 4, the [16, 512]
-    accumulator, q and the K and V blocks need more than 255 registers a thread and spill."""
+    accumulator, q and the K and V blocks need more than 255 registers a thread and spill.
+    No other tile of benchmark/kernels/bench_mla_decode.py is faster at every batch size and
+    context (16-token blocks win below ~256 tokens, 64-token ones beyond ~1K; docs/benchmarks.md)."""
     return DecodeTile(64, 4) if tiling.block_d <= 256 else DecodeTile(32, 8)
 
 
@@ -196,7 +190,7 @@ def decode_attention(
     part_o = torch.empty((bs, num_heads, MAX_KV_SPLITS, lv), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((bs, num_heads, MAX_KV_SPLITS), dtype=torch.float32, device=q.device)
     tile = tile or default_tile(tiling)
-    split_scale = tile.split_scale
+    split_scale = MIN_TOKENS_PER_SPLIT // tile.block_n
     _decode_stage1_kernel[(bs, num_kv_heads * head_blocks, MAX_KV_SPLITS)](
         q, k_cache, v_cache, kv_indptr, kv_indices, num_splits, part_o, part_lse,
         scaling * LOG2E,
