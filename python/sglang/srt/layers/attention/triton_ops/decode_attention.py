@@ -5,8 +5,9 @@ KV head (GQA group, or all heads for MLA's single latent head) and one contiguou
 of the request's KV; it writes that split's normalized output and its base-2
 log-sum-exp. Stage 2 merges the splits. The number of splits per request is a device
 tensor (more splits for longer contexts), so the grid is static for a given batch size.
-Wide keys (MLA's 576 channels) take 32-token KV blocks; they split each request twice as
-finely (SPLIT_SCALE), so that a short context still costs each program a single block.
+Wide keys (MLA's 576 channels) take 32-token KV blocks (default_tile); they split each
+request twice as finely (SPLIT_SCALE), so that a short context still costs each program a
+single block.
 """
 
 from __future__ import annotations
