@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
 
+from graph_timing import median_replay_ms  # noqa: E402  (this folder)
 from sglang.srt.layers.attention.triton_ops.common import HeadDimTiling  # noqa: E402
 from sglang.srt.layers.attention.triton_ops.decode_attention import (  # noqa: E402
     DecodeTile,
@@ -49,22 +49,13 @@ def make_case(bs: int, ctx: int, device: str = "cuda"):
 def time_us(run, calls: int, replays: int) -> float:
     """Median over replays of one graph of `calls` back-to-back runs, per call."""
     run()  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph):
         for _ in range(calls):
             run()
-    torch.cuda.current_stream().wait_stream(stream)
-    times = []
-    for _ in range(replays + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times[2:])
+    graph.replay()  # warm-up
+    return median_replay_ms(graph, replays) * 1000 / calls
 
 
 def main() -> int:
