@@ -4,7 +4,8 @@
 - Stacked projection rows (q and kv_a in one GEMM) are views their loaders fill in place.
 - MLA's rope-and-pack step (one kernel on CUDA) writes what the rope module and two
   concatenations wrote, for DeepSeek's YaRN module and the plain one, both pair layouts.
-- The router's float32 logits (one kernel for decode batches) equal x.float() @ W^T.
+- The router's float32 logits (one kernel for decode batches) equal x.float() @ W^T; with the
+  residual add and RMSNorm folded into its launch, the norm's outputs are the norm kernel's.
 - The fused MoE with the shared experts as extra always-selected experts (GEMV kernels,
   grouped GEMMs at two block sizes, the tile table's choice) equals the routed experts plus
   a separate shared MLP, with routed_scaling_factor on the routed weights only.
@@ -212,6 +213,50 @@ def test_router_logits_match_float32_linear(shape, num_tokens):
     assert got.dtype == torch.float32 and got.shape == (num_tokens, num_experts)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(got, F.linear(x.float(), weight), atol=1e-4, rtol=1e-5)
+
+
+@kernel_test
+# 5 tokens of 64 experts: past FUSED_NORM_MAX_PROGRAMS, the norm and the router in turn.
+@pytest.mark.parametrize("num_tokens", [0, 1, 4, 5])
+@pytest.mark.parametrize("shape", [(8, 40), (64, 2048)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_norm_router_logits_equal_the_norm_then_the_router(shape, num_tokens, dtype):
+    from sglang.srt.layers.fused_ops import fused_add_rms_norm
+    from sglang.srt.layers.moe.topk_triton import add_rms_norm_router_logits, router_logits
+
+    num_experts, hidden = shape
+    gen = torch.Generator().manual_seed(num_tokens + hidden)
+    router_weight = torch.randn(num_experts, hidden, generator=gen).to(DEVICE)
+    norm_weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
+    x = torch.randn(num_tokens, hidden + 3, generator=gen).to(DEVICE, dtype)[:, :hidden]  # a column slice
+    residual = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
+    normed, s, logits = add_rms_norm_router_logits(x, residual, norm_weight, 1e-6, router_weight)
+    want_normed, want_s = fused_add_rms_norm(x, residual, norm_weight, 1e-6)
+    assert torch.equal(s, want_s) and torch.equal(normed, want_normed)
+    assert logits.dtype == torch.float32 and logits.shape == (num_tokens, num_experts)
+    torch.testing.assert_close(logits, router_logits(want_normed, router_weight), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the CUDA forward against the CPU one")
+def test_deepseek_on_cuda_matches_cpu(tmp_path):
+    """Every decode kernel of a tiny DeepSeek-V3 (the router's launch adding and norming, the
+    PDL-launched head matmuls) against the plain-PyTorch layers on CPU, float32."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.loader import get_model
+    from sglang.test.model_harness import ModelHarness
+    from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
+
+    path = make_tiny_deepseek_v3(str(tmp_path), with_mtp=False)
+    prompts = [[5, 17, 42, 7, 99], [3], [11, 12, 13, 200, 201, 202]]
+    runs = []
+    for device in ("cpu", "cuda"):
+        config = ModelConfig(path, dtype="float32", device=device)
+        harness = ModelHarness(get_model(config, "auto", device), config, device)
+        runs.append((harness.run_prefill(prompts), harness.greedy_generate(prompts, max_new_tokens=6)))
+    (cpu_logits, cpu_tokens), (cuda_logits, cuda_tokens) = runs
+    assert cuda_tokens == cpu_tokens
+    for got, want in zip(cuda_logits, cpu_logits, strict=True):
+        torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
 
 # Tiles that do not divide the widths (hidden 40 / 2048, intermediate 24 / 1408); None: the

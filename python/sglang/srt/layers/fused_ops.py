@@ -33,7 +33,8 @@ def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     return _unit_last_stride(x.reshape(-1, width))
 
 
-def _num_warps(block: int) -> int:
+def rms_norm_warps(block: int) -> int:
+    """Warps of a one-row program over a BLOCK-wide row (the norm kernels')."""
     return 4 if block < 2048 else 8 if block < 8192 else 16
 
 
@@ -62,6 +63,14 @@ def _weighted_rms_norm(s, w_ptr, cols, mask, n, eps):
 
 
 @triton.jit
+def _residual_sum(x_row, res_row, cols, mask, dtype: tl.constexpr):
+    """s = x + residual for one row, rounded to `dtype` (the sum's) as torch's add rounds."""
+    x = tl.load(x_row + cols, mask=mask, other=0.0)
+    r = tl.load(res_row + cols, mask=mask, other=0.0)
+    return (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     x_stride, res_stride, n, eps,
@@ -74,11 +83,11 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
-    s = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:  # s = x + residual, rounded to the residual output's dtype as torch's add does
-        r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
-        s = (s.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+    if HAS_RESIDUAL:
+        s = _residual_sum(x_ptr + row * x_stride, res_ptr + row * res_stride, cols, mask, res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * n + cols, s, mask=mask)
+    else:
+        s = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     y = _weighted_rms_norm(s, w_ptr, cols, mask, n, eps)
     tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -119,7 +128,7 @@ def _rms_norm(
             x2, r2, weight, out, out if new_residual is None else new_residual,
             x2.stride(0), r2.stride(0), n, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, SIGNAL_DEPENDENTS=signals_dependents(x.device),
-            num_warps=_num_warps(block),
+            num_warps=rms_norm_warps(block),
         )
     return out, new_residual
 
@@ -149,7 +158,7 @@ def rms_norm_pair(
         block = next_power_of_2(max(na, nb))
         _rms_norm_pair_kernel[(a2.shape[0], 2)](
             a2, b2, a_weight, b_weight, out, a2.stride(0), b2.stride(0), na, nb, a_eps, b_eps,
-            BLOCK=block, SIGNAL_DEPENDENTS=signals_dependents(a.device), num_warps=_num_warps(block),
+            BLOCK=block, SIGNAL_DEPENDENTS=signals_dependents(a.device), num_warps=rms_norm_warps(block),
         )
     return out
 

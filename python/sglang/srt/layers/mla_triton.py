@@ -12,7 +12,8 @@ every value equals the rope module's forward_triton.
 
 `head_matmul_triton`: out[t, h] = a[t, h] @ b[h] for up to HEAD_MATMUL_MAX_TOKENS tokens,
 any strides (q_nope @ W_UK into q's latent channels, o_latent @ W_UV^T), where cuBLAS's
-batched GEMM takes 3-6 us for these 16 head-sized GEMVs at batch 1.
+batched GEMM takes 3-6 us for these 16 head-sized GEMVs at batch 1. On sm90+ it is launched
+before the previous kernel ends (PDL) and loads its weights meanwhile.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.fused_ops import _rotate_head, _weighted_rms_norm
+from sglang.srt.layers.fused_ops import _rotate_head, _weighted_rms_norm, signals_dependents
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
 HEAD_MATMUL_MAX_TOKENS = 16  # one tl.dot row tile; larger batches take torch.bmm
@@ -103,32 +104,46 @@ def mla_rope_pack_triton(
     return k_out if kv_store is None else None
 
 
+@triton.jit
+def _head_matmul_b_tile(b_head, k0, K, offs_n, valid_n, stride_bk, stride_bn, BLOCK_K: tl.constexpr):
+    # Rows [k0, k0 + BLOCK_K) of one head's b (zeros past K: a step past the last loads nothing).
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(
+        b_head + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+        mask=(offs_k < K)[:, None] & valid_n[None, :],
+        other=0.0,
+    )
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _head_matmul_kernel(
     a_ptr, b_ptr, c_ptr, num_tokens, K, N,
     stride_at, stride_ah, stride_ak, stride_bh, stride_bk, stride_bn, stride_ct, stride_ch, stride_cn,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (h, j): columns [j * BLOCK_N, (j + 1) * BLOCK_N) of head h for every token.
+    # PDL: launched before the previous kernel ends, it lets the next kernel launch too, loads
+    # its first tile of b (weights, which no kernel writes), then waits for the previous
+    # kernel's writes before it reads a or writes c.
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     h = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     toks = tl.arange(0, BLOCK_T)
     valid_t, valid_n = toks < num_tokens, offs_n < N
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    b = _head_matmul_b_tile(b_ptr + h * stride_bh, 0, K, offs_n, valid_n, stride_bk, stride_bn, BLOCK_K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    for k0 in range(0, K, BLOCK_K):  # b of step k0 is loaded: the first above, each next at the end
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        valid_k = offs_k < K
         a = tl.load(
             a_ptr + toks[:, None] * stride_at + h * stride_ah + offs_k[None, :] * stride_ak,
-            mask=valid_t[:, None] & valid_k[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            b_ptr + h * stride_bh + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-            mask=valid_k[:, None] & valid_n[None, :],
+            mask=valid_t[:, None] & (offs_k < K)[None, :],
             other=0.0,
         )
         acc += tl.dot(a, b)
+        b = _head_matmul_b_tile(b_ptr + h * stride_bh, k0 + BLOCK_K, K, offs_n, valid_n, stride_bk, stride_bn, BLOCK_K)
     tl.store(
         c_ptr + toks[:, None] * stride_ct + h * stride_ch + offs_n[None, :] * stride_cn,
         acc.to(c_ptr.dtype.element_ty),
@@ -143,10 +158,14 @@ def head_matmul_triton(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> N
     assert num_tokens <= HEAD_MATMUL_MAX_TOKENS and b.shape[:2] == (num_heads, k_dim)
     if not num_tokens:
         return
+    pdl = signals_dependents(a.device)
     block_n = max(16, min(64, next_power_of_2(n_dim) // 8))  # 8 programs a head for N 512 and 128
+    # One loop step for K up to 512 (W_UV's latent): a step is a dependent round trip to
+    # memory, and the [512, 16] tile of b is no larger than W_UK's [128, 64].
+    block_k = min(next_power_of_2(k_dim), 8192 // block_n)
     _head_matmul_kernel[(num_heads, cdiv(n_dim, block_n))](
         a, b, out, num_tokens, k_dim, n_dim,
         *a.stride(), *b.stride(), *out.stride(),
-        BLOCK_T=16, BLOCK_K=128, BLOCK_N=block_n,
-        num_warps=4, num_stages=2,
+        BLOCK_T=16, BLOCK_K=block_k, BLOCK_N=block_n, PDL=pdl,
+        num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )

@@ -28,5 +28,11 @@ class PreNormDecoderLayer(nn.Module):
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, forward_batch)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp_after_attention(hidden_states, residual, forward_batch)
+
+    def mlp_after_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp(post_attention_layernorm(attn_out + residual)), attn_out + residual)."""
+        hidden_states, residual = self.post_attention_layernorm(attn_out, residual)
         return mlp_over_dp(self.mlp, hidden_states, forward_batch), residual

@@ -134,7 +134,23 @@ class DeepseekV2MoE(nn.Module):
         self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, routing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias)  # routed + shared
+        return self._experts(x, self.gate(x))
+
+    def forward_after_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(x + residual)), x + residual); on CUDA the add, the norm and the
+        router's logits share one launch (topk_triton.add_rms_norm_router_logits)."""
+        if not x.is_cuda:
+            normed, s = norm(x, residual)
+            return self(normed), s
+        from sglang.srt.layers.moe.topk_triton import add_rms_norm_router_logits  # triton ships with CUDA builds of torch
+
+        normed, s, logits = add_rms_norm_router_logits(x, residual, norm.weight, norm.variance_epsilon, self.gate.weight)
+        return self._experts(normed, logits), s
+
+    def _experts(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, router_logits, self.gate.e_score_correction_bias)  # routed + shared
         return tensor_model_parallel_all_reduce(out)
 
 
@@ -244,6 +260,15 @@ class DeepseekV2DecoderLayer(PreNormDecoderLayer):
         self.mlp = DeepseekV2MoE(config) if moe else DeepseekV2MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def mlp_after_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # A MoE norms its own rows (the router's launch adds and norms them), unless DP
+        # attention gathers the normed rows of every rank first.
+        if isinstance(self.mlp, DeepseekV2MoE) and forward_batch.global_num_tokens is None:
+            return self.mlp.forward_after_add_norm(attn_out, residual, self.post_attention_layernorm)
+        return super().mlp_after_attention(attn_out, residual, forward_batch)
 
 
 class DeepseekV2Model(nn.Module):

@@ -22,6 +22,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sglang.srt.layers.fused_ops import (
+    _residual_sum,
+    _weighted_rms_norm,
+    fused_add_rms_norm,
+    rms_norm_warps,
+    signals_dependents,
+)
 from sglang.srt.layers.moe.topk import RoutingConfig
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
@@ -83,6 +90,71 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             BLOCK_T=block_t, BLOCK_K=block_k,
         )
     return out
+
+
+# The residual add and RMSNorm before the MoE fold into the router launch (the norm's own
+# launch saved) while every program can redo the row's norm: each program of that kernel is
+# one (token, expert) pair and reads the whole row (from L2 after the first), so the fused
+# path stops at this many programs.
+FUSED_NORM_MAX_PROGRAMS = 256
+
+
+def router_fuses_add_norm(num_tokens: int, num_experts: int) -> bool:
+    """Whether add_rms_norm_router_logits takes one kernel for this batch (else norm, then router)."""
+    return num_tokens * num_experts <= FUSED_NORM_MAX_PROGRAMS
+
+
+@triton.jit
+def _add_rms_norm_router_kernel(
+    x_ptr, res_ptr, norm_w_ptr, router_w_ptr, normed_ptr, res_out_ptr, logits_ptr,
+    hidden, x_stride, res_stride, router_stride, num_experts, eps,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    # Program (t, e): token t's s = x + residual and normed = norm_w * rmsnorm(s), computed as
+    # fused_ops' add-RMSNorm kernel computes them (same helpers, same block and warps), then
+    # expert e's float32 logit of normed. Program (t, 0) also stores s and normed. PDL:
+    # launched before the previous kernel ends, it loads its router row, then waits for that
+    # kernel's writes.
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    w = tl.load(router_w_ptr + e * router_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    s = _residual_sum(x_ptr + t * x_stride, res_ptr + t * res_stride, cols, mask, res_out_ptr.dtype.element_ty)
+    normed = _weighted_rms_norm(s, norm_w_ptr, cols, mask, hidden, eps).to(normed_ptr.dtype.element_ty)
+    tl.store(logits_ptr + t * num_experts + e, tl.sum(normed.to(tl.float32) * w, axis=0))
+    if e == 0:
+        tl.store(res_out_ptr + t * hidden + cols, s, mask=mask)
+        tl.store(normed_ptr + t * hidden + cols, normed, mask=mask)
+
+
+def add_rms_norm_router_logits(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, router_weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(normed, s, logits) for s = x + residual [T, hidden], normed = fused_ops.fused_add_rms_norm's
+    output and logits = router_logits(normed, router_weight): one launch where those take two
+    (router_fuses_add_norm's batches; others take them in turn)."""
+    num_tokens, hidden = x.shape
+    num_experts = router_weight.shape[0]
+    if not router_fuses_add_norm(num_tokens, num_experts):
+        normed, s = fused_add_rms_norm(x, residual, norm_weight, eps)
+        return normed, s, router_logits(normed, router_weight)
+    sum_dtype = torch.promote_types(x.dtype, residual.dtype)
+    s = torch.empty((num_tokens, hidden), dtype=sum_dtype, device=x.device)
+    normed = torch.empty_like(s, dtype=torch.promote_types(norm_weight.dtype, sum_dtype))
+    logits = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=x.device)
+    if num_tokens:
+        x, residual = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, residual))
+        block = next_power_of_2(hidden)
+        pdl = signals_dependents(x.device)
+        _add_rms_norm_router_kernel[(num_tokens, num_experts)](
+            x, residual, norm_weight, router_weight, normed, s, logits,
+            hidden, x.stride(0), residual.stride(0), router_weight.stride(0), num_experts, eps,
+            BLOCK=block, PDL=pdl, num_warps=rms_norm_warps(block), **({"launch_pdl": True} if pdl else {}),
+        )
+    return normed, s, logits
 
 
 @triton.jit

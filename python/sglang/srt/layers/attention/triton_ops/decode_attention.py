@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from sglang.srt.layers.attention.triton_ops.common import HeadDimTiling
+from sglang.srt.layers.fused_ops import signals_dependents
 from sglang.srt.utils.int_math import cdiv
 
 MAX_KV_SPLITS = 16  # grid size along the split axis (a power of two: stage 2 tiles it)
@@ -140,23 +141,26 @@ def _decode_stage1_kernel(
 
 @triton.jit
 def _decode_stage2_kernel(
-    Part_O, Part_LSE, O, num_splits_ptr,
+    Part_O, Part_LSE, O,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
-    LV: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_SCALE: tl.constexpr,
+    LV: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr, SIGNAL_DEPENDENTS: tl.constexpr,
 ):
+    # Merges all MAX_SPLITS splits: stage 1 writes every one, an empty split as lse -inf and
+    # output 0 (weight 0). So no load waits for the request's split count. The next kernel
+    # (MLA's W_UV matmul, PDL-launched) may start at once and load its weights.
+    if SIGNAL_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
-    num_splits = tl.minimum(tl.load(num_splits_ptr + b) * SPLIT_SCALE, MAX_SPLITS)  # as stage 1's
     offs_s = tl.arange(0, MAX_SPLITS)
     offs_dv = tl.arange(0, BLOCK_DV)
-    valid_s = offs_s < num_splits
-    lse = tl.load(Part_LSE + b * stride_lb + h * stride_lh + offs_s, mask=valid_s, other=float("-inf"))
+    lse = tl.load(Part_LSE + b * stride_lb + h * stride_lh + offs_s)
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # empty KV: every weight is 0
     w = tl.exp2(lse - m)
     part = tl.load(
         Part_O + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_dv[None, :],
-        mask=valid_s[:, None] & (offs_dv[None, :] < LV),
+        mask=offs_dv[None, :] < LV,
         other=0.0,
     )
     denom = tl.sum(w, 0)
@@ -204,9 +208,9 @@ def decode_attention(
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     _decode_stage2_kernel[(bs, num_heads)](
-        part_o, part_lse, out, num_splits,
+        part_o, part_lse, out,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        LV=lv, BLOCK_DV=tiling.block_dv, MAX_SPLITS=MAX_KV_SPLITS, SPLIT_SCALE=split_scale,
+        LV=lv, BLOCK_DV=tiling.block_dv, MAX_SPLITS=MAX_KV_SPLITS, SIGNAL_DEPENDENTS=signals_dependents(q.device),
         num_warps=4,
     )
