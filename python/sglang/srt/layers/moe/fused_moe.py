@@ -118,9 +118,14 @@ class FusedMoE(nn.Module):
         self, hidden: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """This rank's partial sum [T, H] of the routed and shared experts; the caller all-reduces."""
-        route, experts = select_experts, moe_forward_native
-        if hidden.is_cuda:  # triton ships with CUDA builds of torch; its kernels never sync with the host
-            from sglang.srt.layers.moe.fused_moe_triton import fused_moe as experts
-            from sglang.srt.layers.moe.topk_triton import select_experts_triton as route
-        topk_weights, topk_ids = route(router_logits, self.routing, correction_bias)
-        return experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if not hidden.is_cuda:
+            topk_weights, topk_ids = select_experts(router_logits, self.routing, correction_bias)
+            return moe_forward_native(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        from sglang.srt.layers.moe.fused_moe_triton import fused_moe  # triton ships with CUDA builds of torch
+        from sglang.srt.layers.moe.topk_triton import select_experts_triton
+
+        # Its kernels never sync with the host.
+        topk_weights, topk_ids = select_experts_triton(router_logits, self.routing, correction_bias)
+        return fused_moe(
+            hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, shared_slots=self.routing.num_shared_experts
+        )

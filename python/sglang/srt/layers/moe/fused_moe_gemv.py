@@ -21,19 +21,34 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang.srt.layers.fused_ops import signals_dependents
+from sglang.srt.layers.gemv_triton import _prefetch_l2
 from sglang.srt.layers.moe.kernel_config import GemmTile
-from sglang.srt.utils.int_math import cdiv
+from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
 
 @triton.jit
 def _gate_up_gemv_kernel(
-    hidden, w13, topk_ids, act, N, K, stride_h, stride_we, stride_wn,
+    hidden, w13, topk_ids, act, N, K, stride_h, stride_we, stride_wn, num_expert_slots,
     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr, SHARED_SLOTS: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
 ):
     # act[p, n] = silu(x . w13[e, n]) * (x . w13[e, N + n]) for pair p (token p // SLOTS, expert e).
     pair = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid_n = offs_n < N
+    if PDL:
+        # Launched while the routing kernel runs. A token's last SHARED_SLOTS slots hold the
+        # last expert slots of w13 (the shared experts, chosen by no routing): their programs
+        # stream their rows' first PREFETCH_LINES cache lines into L2 meanwhile. Then wait for
+        # the routing's writes before any other load or store.
+        slot = pair % SLOTS
+        if slot >= SLOTS - SHARED_SLOTS:
+            lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, K - 1)[None, :]
+            shared_rows = w13 + (num_expert_slots - SLOTS + slot) * stride_we + tl.minimum(offs_n, N - 1)[:, None] * stride_wn
+            _prefetch_l2(shared_rows + lines)
+            _prefetch_l2(shared_rows + N * stride_wn + lines)
+        tl.extra.cuda.gdc_wait()
     x_row = hidden + (pair // SLOTS) * stride_h
     gate_rows = w13 + tl.load(topk_ids + pair) * stride_we + offs_n[:, None] * stride_wn
     up_rows = gate_rows + N * stride_wn
@@ -83,17 +98,23 @@ def moe_gemv(
     out: torch.Tensor,
     w13_tile: GemmTile,
     w2_tile: GemmTile,
+    shared_slots: int = 0,
 ) -> None:
-    """out [T, H] = the fused MoE of hidden [T, H] over topk_* [T, slots] (T >= 1)."""
+    """out [T, H] = the fused MoE of hidden [T, H] over topk_* [T, slots] (T >= 1). The last
+    `shared_slots` slots of every token are the last expert slots of w13, in order (shared
+    experts): their weights start streaming before the routing kernel ends (sm90+)."""
     assert w13.stride(-1) == 1 and w2.stride(-1) == 1 and hidden.stride(-1) == 1
     num_tokens, slots = topk_ids.shape
     hidden_size, inter = hidden.shape[1], w2.shape[2]
     act = hidden.new_empty((num_tokens * slots, inter))  # SiLU(gate) * up per pair, in hidden's dtype
     ids = topk_ids.flatten()
+    pdl = shared_slots > 0 and signals_dependents(hidden.device)
+    line = 128 // w13.element_size()  # elements per cache line
     _gate_up_gemv_kernel[(num_tokens * slots, cdiv(inter, w13_tile.block_n))](
-        hidden, w13, ids, act, inter, hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1),
+        hidden, w13, ids, act, inter, hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1), w13.shape[0],
         SLOTS=slots, BLOCK_N=w13_tile.block_n, BLOCK_K=w13_tile.block_k, NUM_STAGES=w13_tile.num_stages,
-        num_warps=w13_tile.num_warps,
+        PDL=pdl, SHARED_SLOTS=shared_slots, PREFETCH_LINES=min(next_power_of_2(cdiv(hidden_size, line)), 32),
+        LINE_ELEMS=line, num_warps=w13_tile.num_warps, **({"launch_pdl": True} if pdl else {}),
     )
     _down_gemv_combine_kernel[(num_tokens, cdiv(hidden_size, w2_tile.block_n))](
         act, w2, ids, topk_weights.flatten().float(), out, hidden_size, inter, w2.stride(0), w2.stride(1),

@@ -250,10 +250,12 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: MoeKernelConfig | None = None,
+    shared_slots: int = 0,
 ) -> torch.Tensor:
     """Same contract as moe_forward_native: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights/topk_ids [T, slots] -> [T, H] in hidden's dtype (partial sum of this rank).
-    `config` overrides the tile table's choice (for benchmarks and tests)."""
+    `config` overrides the tile table's choice (for benchmarks and tests); `shared_slots`:
+    see moe_gemv."""
     num_tokens, slots = topk_ids.shape
     hidden_size, inter = hidden.shape[1], w2.shape[2]
     out = hidden.new_empty(hidden.shape)
@@ -262,7 +264,7 @@ def fused_moe(
     num_pairs = num_tokens * slots
     config = config or kernel_config(num_pairs, hidden.device)
     if config.block_m == 1:
-        moe_gemv(hidden, w13, w2, topk_weights, topk_ids, out, config.w13, config.w2)
+        moe_gemv(hidden, w13, w2, topk_weights, topk_ids, out, config.w13, config.w2, shared_slots)
         return out
     block_m = config.block_m
     sorted_pairs, block_expert = align_by_expert(topk_ids, w13.shape[0], block_m)

@@ -185,8 +185,12 @@ def _route_kernel(
     E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_K: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, METHOD: tl.constexpr,
     GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
+    RENORMALIZE: tl.constexpr, SIGNAL_DEPENDENTS: tl.constexpr,
 ):
+    # The experts' first kernel (PDL-launched at decode sizes) may start at once: it streams
+    # the shared experts' weights, which no routing decides, while this kernel routes.
+    if SIGNAL_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
@@ -251,7 +255,7 @@ def select_experts_triton(
         METHOD=_METHOD_CODES[cfg.topk_method],
         GROUP_SIZE=cfg.num_experts // n_group, N_GROUP=n_group, TOPK_GROUP=cfg.topk_group or 1,
         BLOCK_G=next_power_of_2(n_group), RENORMALIZE=cfg.renormalize,
-        num_warps=_route_warps(block_e),
+        SIGNAL_DEPENDENTS=signals_dependents(device), num_warps=_route_warps(block_e),
     )
     return weights, ids
 
