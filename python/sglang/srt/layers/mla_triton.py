@@ -37,10 +37,13 @@ def _mla_rope_pack_kernel(
     q_pe_stride_t, q_pe_stride_h, k_pe_stride_t, latent_stride_t, q_out_stride_t, q_out_stride_h,
     num_heads,
     LATENT: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, AT_LOC: tl.constexpr, NORM_LATENT: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_LATENT: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_LATENT: tl.constexpr, SIGNAL_DEPENDENTS: tl.constexpr,
 ):
     # k[t] goes to row t of k_out, or (AT_LOC) to row k_loc[t] of a KV pool's layer buffer;
-    # NORM_LATENT: its latent part is norm_w * rmsnorm(latent[t]).
+    # NORM_LATENT: its latent part is norm_w * rmsnorm(latent[t]). The decode attention
+    # after it (PDL-launched) may start at once and prefetch the older KV rows.
+    if SIGNAL_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = tl.load(pos_ptr + t).to(tl.int64)
@@ -99,7 +102,7 @@ def mla_rope_pack_triton(
             LATENT=latent_dim, ROT=rot, NEOX=is_neox_style, AT_LOC=kv_store is not None,
             NORM_LATENT=latent_norm is not None,
             BLOCK_HALF=next_power_of_2(rot // 2), BLOCK_LATENT=next_power_of_2(latent_dim),
-            num_warps=1,
+            SIGNAL_DEPENDENTS=signals_dependents(q_out.device), num_warps=1,
         )
     return k_out if kv_store is None else None
 

@@ -21,7 +21,8 @@ import triton.language as tl
 
 from sglang.srt.layers.attention.triton_ops.common import HeadDimTiling
 from sglang.srt.layers.fused_ops import signals_dependents
-from sglang.srt.utils.int_math import cdiv
+from sglang.srt.layers.gemv_triton import _prefetch_l2
+from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
 MAX_KV_SPLITS = 16  # grid size along the split axis (a power of two: stage 2 tiles it)
 MIN_TOKENS_PER_SPLIT = 64
@@ -63,6 +64,7 @@ def _decode_stage1_kernel(
     LK: tl.constexpr, LV: tl.constexpr, D_MAIN: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_SCALE: tl.constexpr,
+    PDL: tl.constexpr, K_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -75,6 +77,17 @@ def _decode_stage1_kernel(
     split_len = (kv_len + num_splits - 1) // num_splits
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv_len)  # empty (lo >= hi) for splits past num_splits
+    if PDL:
+        # Launched while the previous kernel (MLA's rope step, which stores the new token's
+        # K and is itself launched in stream order) still runs: the metadata read above was
+        # written before that kernel started. Stream the first block's K rows into L2 (a
+        # prefetch binds no value, so the new token's row is read after the wait), then wait
+        # for that kernel's writes (q, the new row).
+        offs_n = lo + tl.arange(0, BLOCK_N)
+        slots = tl.load(kv_indices + kv_start + offs_n, mask=offs_n < hi, other=0).to(tl.int64)
+        lines = tl.minimum(tl.arange(0, K_LINES) * LINE_ELEMS, LK - 1)
+        _prefetch_l2(K + slots[:, None] * stride_kn + kv_head * stride_kh + lines[None, :])
+        tl.extra.cuda.gdc_wait()
 
     offs_g = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     valid_h = offs_g < GROUP
@@ -195,6 +208,8 @@ def decode_attention(
     part_o = torch.empty((bs, num_heads, MAX_KV_SPLITS, lv), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((bs, num_heads, MAX_KV_SPLITS), dtype=torch.float32, device=q.device)
     tile = tile or default_tile(tiling)
+    pdl = signals_dependents(q.device)
+    line = 128 // k_cache.element_size()  # elements per cache line
     split_scale = MIN_TOKENS_PER_SPLIT // tile.block_n
     _decode_stage1_kernel[(bs, num_kv_heads * head_blocks, MAX_KV_SPLITS)](
         q, k_cache, v_cache, kv_indptr, kv_indices, num_splits, part_o, part_lse,
@@ -205,7 +220,8 @@ def decode_attention(
         LK=lk, LV=lv, D_MAIN=tiling.d_main,
         BLOCK_D=tiling.block_d, BLOCK_DPE=tiling.block_dpe, BLOCK_DV=tiling.block_dv,
         BLOCK_H=BLOCK_H, BLOCK_N=tile.block_n, SPLIT_SCALE=split_scale,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        PDL=pdl, K_LINES=next_power_of_2(cdiv(lk, line)), LINE_ELEMS=line,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     _decode_stage2_kernel[(bs, num_heads)](
         part_o, part_lse, out,
