@@ -10,6 +10,7 @@
   grouped GEMMs at two block sizes, the tile table's choice) equals the routed experts plus
   a separate shared MLP, with routed_scaling_factor on the routed weights only.
 - MLA decode attention at the real widths (576 / 512, the finer split) equals the torch backend.
+- On CUDA, a tiny DeepSeek-V3 with PDL launches and the fused router equals itself without them.
 
 Kernels run compiled on CUDA, or under Triton's CPU interpreter in a subprocess (as in
 test_triton_kernels); without triton the kernel tests are skipped.
@@ -237,26 +238,36 @@ def test_add_norm_router_logits_equal_the_norm_then_the_router(shape, num_tokens
     torch.testing.assert_close(logits, router_logits(want_normed, router_weight), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="the CUDA forward against the CPU one")
-def test_deepseek_on_cuda_matches_cpu(tmp_path):
-    """Every decode kernel of a tiny DeepSeek-V3 (the router's launch adding and norming, the
-    PDL-launched head matmuls) against the plain-PyTorch layers on CPU, float32."""
+@pytest.mark.skipif(not ON_CUDA, reason="PDL and the fused router run on CUDA only")
+def test_deepseek_with_pdl_and_the_fused_router_matches_without(tmp_path, monkeypatch):
+    """A tiny DeepSeek-V3 on CUDA with its kernels launched early (PDL) and the MoE's add and
+    norm in the router's launch gives the logits and greedy tokens of the same model with
+    neither (SGLANG_DISABLE_PDL, then the norm and the router in turn)."""
     from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers import fused_ops
     from sglang.srt.model_loader.loader import get_model
     from sglang.test.model_harness import ModelHarness
     from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
 
-    path = make_tiny_deepseek_v3(str(tmp_path), with_mtp=False)
+    config = ModelConfig(make_tiny_deepseek_v3(str(tmp_path), with_mtp=False), dtype="float32", device=DEVICE)
+    model = get_model(config, "auto", DEVICE)
     prompts = [[5, 17, 42, 7, 99], [3], [11, 12, 13, 200, 201, 202]]
-    runs = []
-    for device in ("cpu", "cuda"):
-        config = ModelConfig(path, dtype="float32", device=device)
-        harness = ModelHarness(get_model(config, "auto", device), config, device)
-        runs.append((harness.run_prefill(prompts), harness.greedy_generate(prompts, max_new_tokens=6)))
-    (cpu_logits, cpu_tokens), (cuda_logits, cuda_tokens) = runs
-    assert cuda_tokens == cpu_tokens
-    for got, want in zip(cuda_logits, cpu_logits, strict=True):
-        torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+    def run() -> tuple[list[torch.Tensor], list[list[int]]]:
+        fused_ops.signals_dependents.cache_clear()
+        harness = ModelHarness(model, config, DEVICE)
+        return harness.run_prefill(prompts), harness.greedy_generate(prompts, max_new_tokens=6)
+
+    assert fused_ops.signals_dependents(torch.device(DEVICE)) == (torch.cuda.get_device_capability()[0] >= 9)
+    logits, tokens = run()
+    monkeypatch.setenv("SGLANG_DISABLE_PDL", "1")
+    monkeypatch.setattr("sglang.srt.layers.moe.topk_triton.router_fuses_add_norm", lambda *_: False)
+    ref_logits, ref_tokens = run()
+    assert not fused_ops.signals_dependents(torch.device(DEVICE))
+    fused_ops.signals_dependents.cache_clear()
+    assert tokens == ref_tokens
+    for got, want in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 # Tiles that do not divide the widths (hidden 40 / 2048, intermediate 24 / 1408); None: the

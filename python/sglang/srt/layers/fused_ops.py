@@ -43,11 +43,12 @@ def rms_norm_warps(block: int) -> int:
 
 @functools.cache
 def signals_dependents(device: torch.device) -> bool:
-    """Whether kernels on `device` may let the next kernel launch early (programmatic dependent
-    launch: CUDA sm90+, compiled). Only kernels launched with PDL act on the signal, and they
-    wait for this kernel's writes before reading them."""
+    """Whether kernels on `device` take programmatic dependent launch (CUDA sm90+, compiled,
+    not turned off by SGLANG_DISABLE_PDL=1): they let the next kernel launch early, and a
+    PDL-launched kernel waits for the previous one's writes before reading them."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return device.type == "cuda" and not interpreted and torch.version.cuda is not None and (
+    disabled = os.environ.get("SGLANG_DISABLE_PDL") == "1"
+    return device.type == "cuda" and not interpreted and not disabled and torch.version.cuda is not None and (
         torch.cuda.get_device_capability(device)[0] >= 9
     )
 
