@@ -37,12 +37,14 @@ def _mla_rope_pack_kernel(
     q_pe_stride_t, q_pe_stride_h, k_pe_stride_t, latent_stride_t, q_out_stride_t, q_out_stride_h,
     num_heads,
     LATENT: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, AT_LOC: tl.constexpr, NORM_LATENT: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_LATENT: tl.constexpr, SIGNAL_DEPENDENTS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_LATENT: tl.constexpr, PDL: tl.constexpr,
 ):
     # k[t] goes to row t of k_out, or (AT_LOC) to row k_loc[t] of a KV pool's layer buffer;
-    # NORM_LATENT: its latent part is norm_w * rmsnorm(latent[t]). The decode attention
-    # after it (PDL-launched) may start at once and prefetch the older KV rows.
-    if SIGNAL_DEPENDENTS:
+    # NORM_LATENT: its latent part is norm_w * rmsnorm(latent[t]). PDL: the decode attention
+    # after it may start at once (and prefetch the older KV rows); this kernel, launched
+    # before the previous one ends, reads the positions (written before the forward) and the
+    # cos/sin table, then waits for that kernel's writes.
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -51,6 +53,8 @@ def _mla_rope_pack_kernel(
     mask = half < ROT // 2
     cos = tl.load(cos_sin_ptr + row * cs_stride + half, mask=mask, other=0.0).to(tl.float32) * scale
     sin = tl.load(cos_sin_ptr + row * cs_stride + ROT // 2 + half, mask=mask, other=0.0).to(tl.float32) * scale
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     if h < num_heads:
         dst = q_out + t * q_out_stride_t + h * q_out_stride_h + LATENT
         _rotate_head(q_pe_ptr + t * q_pe_stride_t + h * q_pe_stride_h, dst, cos, sin, ROT, ROT, NEOX, BLOCK_HALF, 1)
@@ -94,6 +98,7 @@ def mla_rope_pack_triton(
         assert k_out.is_contiguous() and k_out.shape[1:] == (1, latent_dim + rot) and k_loc.shape == (num_tokens,)
         k_loc = k_loc.contiguous()
     if num_tokens:
+        pdl = signals_dependents(q_out.device)
         _mla_rope_pack_kernel[(num_tokens, num_heads + 1)](
             positions.contiguous(), cos_sin_cache, cos_sin_cache.stride(0), scale,
             q_pe, k_pe, latent, q_out, k_out, k_loc, *(latent_norm or (latent, 0.0)),
@@ -102,7 +107,7 @@ def mla_rope_pack_triton(
             LATENT=latent_dim, ROT=rot, NEOX=is_neox_style, AT_LOC=kv_store is not None,
             NORM_LATENT=latent_norm is not None,
             BLOCK_HALF=next_power_of_2(rot // 2), BLOCK_LATENT=next_power_of_2(latent_dim),
-            SIGNAL_DEPENDENTS=signals_dependents(q_out.device), num_warps=1,
+            PDL=pdl, num_warps=1, **({"launch_pdl": True} if pdl else {}),
         )
     return k_out if kv_store is None else None
 

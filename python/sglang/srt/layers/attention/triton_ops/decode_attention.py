@@ -79,10 +79,9 @@ def _decode_stage1_kernel(
     hi = tl.minimum(lo + split_len, kv_len)  # empty (lo >= hi) for splits past num_splits
     if PDL:
         # Launched while the previous kernel (MLA's rope step, which stores the new token's
-        # K and is itself launched in stream order) still runs: the metadata read above was
-        # written before that kernel started. Stream the first block's K rows into L2 (a
-        # prefetch binds no value, so the new token's row is read after the wait), then wait
-        # for that kernel's writes (q, the new row).
+        # K) still runs: the metadata read above was written before the forward. Stream the
+        # first block's K rows into L2 (a prefetch binds no value, so the new token's row is
+        # read after the wait), then wait for that kernel's writes (q, the new row).
         offs_n = lo + tl.arange(0, BLOCK_N)
         slots = tl.load(kv_indices + kv_start + offs_n, mask=offs_n < hi, other=0).to(tl.int64)
         lines = tl.minimum(tl.arange(0, K_LINES) * LINE_ELEMS, LK - 1)
