@@ -101,7 +101,7 @@ def main_layer(x: torch.Tensor, layer: Layer) -> torch.Tensor:
 def fused_layer(config: MoeKernelConfig | None) -> Callable[[torch.Tensor, Layer], torch.Tensor]:
     def run(x: torch.Tensor, layer: Layer) -> torch.Tensor:
         weights, ids = select_experts_triton(router_logits(x, layer.gate), ROUTING)
-        return fused_moe(x, layer.w13, layer.w2, weights, ids, config)
+        return fused_moe(x, layer.w13, layer.w2, weights, ids, config, shared_slots=NUM_SHARED)  # as FusedMoE calls it
 
     return run
 
@@ -178,7 +178,7 @@ def run_tokens(num_tokens: int, layers: list[Layer], reps: int, deadline: float,
     num_pairs = num_tokens * ROUTING.slots
     main_config = MAIN_SMALL if num_tokens * TOP_K <= 64 else MAIN_LARGE
     bench.measure("fold", fused_layer(main_config), main_config)
-    table_ms = bench.measure("table", fused_layer(None), kernel_config(num_pairs))
+    table_ms = bench.measure("table", fused_layer(None), kernel_config(num_pairs, bench.x.device))
     gemv_start = MoeKernelConfig(1, tile(GEMV_W13[2]), tile(GEMV_W2[2]))
     if num_pairs <= 64:
         bench.sweep(gemv_start, GEMV_W13, GEMV_W2)
