@@ -121,10 +121,10 @@ class FusedMoE(nn.Module):
         if not hidden.is_cuda:
             topk_weights, topk_ids = select_experts(router_logits, self.routing, correction_bias)
             return moe_forward_native(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-        from sglang.srt.layers.moe.fused_moe_triton import fused_moe  # triton ships with CUDA builds of torch
+        # triton ships with CUDA builds of torch; its kernels never sync with the host
+        from sglang.srt.layers.moe.fused_moe_triton import fused_moe
         from sglang.srt.layers.moe.topk_triton import select_experts_triton
 
-        # Its kernels never sync with the host.
         topk_weights, topk_ids = select_experts_triton(router_logits, self.routing, correction_bias)
         return fused_moe(
             hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, shared_slots=self.routing.num_shared_experts
