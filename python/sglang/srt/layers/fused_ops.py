@@ -53,6 +53,23 @@ def signals_dependents(device: torch.device) -> bool:
     )
 
 
+def pdl_launch(pdl: bool) -> dict:
+    """A Triton launch's keyword arguments: launch_pdl where the kernel is PDL-launched."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+def cache_line_elems(t: torch.Tensor) -> int:
+    """Elements of t's dtype in one 128-byte cache line (the unit of prefetch_l2)."""
+    return 128 // t.element_size()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    # One L2 prefetch per pointer; nothing waits for it, and it binds no value (a later load
+    # still reads what other kernels wrote meanwhile).
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def _weighted_rms_norm(s, w_ptr, cols, mask, n, eps):
     """weight * rmsnorm(s) in float32 for one row s (zero past n); like RMSNorm, the norm is

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.fused_ops import signals_dependents, silu_mul
+from sglang.srt.layers.fused_ops import cache_line_elems, pdl_launch, prefetch_l2, signals_dependents, silu_mul
 from sglang.srt.layers.tuned import load_table
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
@@ -83,12 +83,6 @@ def _load_tile(ptrs, rows_ok, in_k, MASK_ROWS: tl.constexpr, MASK_K: tl.constexp
     else:
         tile = tl.load(ptrs)
     return tile
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    # One L2 prefetch per pointer; nothing waits for it.
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -152,9 +146,9 @@ def _gemv_kernel(
         # then wait for that kernel's writes before any other load or store (x, and y's
         # memory, which it may still read).
         lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, K - 1)[None, :]
-        _prefetch_l2(w_ptr + w_rows[:, None] * w_stride + lines)
+        prefetch_l2(w_ptr + w_rows[:, None] * w_stride + lines)
         if GATED:
-            _prefetch_l2(w_ptr + (N + w_rows)[:, None] * w_stride + lines)
+            prefetch_l2(w_ptr + (N + w_rows)[:, None] * w_stride + lines)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -203,7 +197,7 @@ def gemv(
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
-    line = 128 // x.element_size()  # elements per cache line
+    line = cache_line_elems(x)
     pdl = config.pdl and signals_dependents(x.device)
     y = torch.empty((rows, width), dtype=out_dtype or x.dtype, device=x.device)
     if rows and width:
@@ -218,7 +212,7 @@ def gemv(
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 as cuBLAS without TF32
             PDL=pdl, PREFETCH_LINES=next_power_of_2(cdiv(min(k, _PREFETCH_STEPS * config.block_k), line)),
             LINE_ELEMS=line,
-            num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}),
+            num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(pdl),
         )
     return y.view(*x.shape[:-1], width)
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.fused_ops import _rotate_head, _weighted_rms_norm, signals_dependents
+from sglang.srt.layers.fused_ops import _rotate_head, _weighted_rms_norm, pdl_launch, signals_dependents
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
 HEAD_MATMUL_MAX_TOKENS = 16  # one tl.dot row tile; larger batches take torch.bmm
@@ -107,7 +107,7 @@ def mla_rope_pack_triton(
             LATENT=latent_dim, ROT=rot, NEOX=is_neox_style, AT_LOC=kv_store is not None,
             NORM_LATENT=latent_norm is not None,
             BLOCK_HALF=next_power_of_2(rot // 2), BLOCK_LATENT=next_power_of_2(latent_dim),
-            PDL=pdl, num_warps=1, **({"launch_pdl": True} if pdl else {}),
+            PDL=pdl, num_warps=1, **pdl_launch(pdl),
         )
     return k_out if kv_store is None else None
 
@@ -175,5 +175,5 @@ def head_matmul_triton(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> N
         a, b, out, num_tokens, k_dim, n_dim,
         *a.stride(), *b.stride(), *out.stride(),
         BLOCK_T=16, BLOCK_K=block_k, BLOCK_N=block_n, PDL=pdl,
-        num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        num_warps=4, **pdl_launch(pdl),
     )

@@ -21,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.fused_ops import signals_dependents
-from sglang.srt.layers.gemv_triton import _prefetch_l2
+from sglang.srt.layers.fused_ops import cache_line_elems, pdl_launch, prefetch_l2, signals_dependents
 from sglang.srt.layers.moe.kernel_config import GemmTile
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
@@ -46,8 +45,8 @@ def _gate_up_gemv_kernel(
         if slot >= SLOTS - SHARED_SLOTS:
             lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, K - 1)[None, :]
             shared_rows = w13 + (num_expert_slots - SLOTS + slot) * stride_we + tl.minimum(offs_n, N - 1)[:, None] * stride_wn
-            _prefetch_l2(shared_rows + lines)
-            _prefetch_l2(shared_rows + N * stride_wn + lines)
+            prefetch_l2(shared_rows + lines)
+            prefetch_l2(shared_rows + N * stride_wn + lines)
         tl.extra.cuda.gdc_wait()
     x_row = hidden + (pair // SLOTS) * stride_h
     gate_rows = w13 + tl.load(topk_ids + pair) * stride_we + offs_n[:, None] * stride_wn
@@ -109,12 +108,12 @@ def moe_gemv(
     act = hidden.new_empty((num_tokens * slots, inter))  # SiLU(gate) * up per pair, in hidden's dtype
     ids = topk_ids.flatten()
     pdl = shared_slots > 0 and signals_dependents(hidden.device)
-    line = 128 // w13.element_size()  # elements per cache line
+    line = cache_line_elems(w13)
     _gate_up_gemv_kernel[(num_tokens * slots, cdiv(inter, w13_tile.block_n))](
         hidden, w13, ids, act, inter, hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1), w13.shape[0],
         SLOTS=slots, BLOCK_N=w13_tile.block_n, BLOCK_K=w13_tile.block_k, NUM_STAGES=w13_tile.num_stages,
         PDL=pdl, SHARED_SLOTS=shared_slots, PREFETCH_LINES=min(next_power_of_2(cdiv(hidden_size, line)), 32),
-        LINE_ELEMS=line, num_warps=w13_tile.num_warps, **({"launch_pdl": True} if pdl else {}),
+        LINE_ELEMS=line, num_warps=w13_tile.num_warps, **pdl_launch(pdl),
     )
     _down_gemv_combine_kernel[(num_tokens, cdiv(hidden_size, w2_tile.block_n))](
         act, w2, ids, topk_weights.flatten().float(), out, hidden_size, inter, w2.stride(0), w2.stride(1),

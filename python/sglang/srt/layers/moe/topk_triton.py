@@ -26,6 +26,7 @@ from sglang.srt.layers.fused_ops import (
     _residual_sum,
     _weighted_rms_norm,
     fused_add_rms_norm,
+    pdl_launch,
     rms_norm_warps,
     signals_dependents,
 )
@@ -152,7 +153,7 @@ def add_rms_norm_router_logits(
         _add_rms_norm_router_kernel[(num_tokens, num_experts)](
             x, residual, norm_weight, router_weight, normed, s, logits,
             hidden, x.stride(0), residual.stride(0), router_weight.stride(0), num_experts, eps,
-            BLOCK=block, PDL=pdl, num_warps=rms_norm_warps(block), **({"launch_pdl": True} if pdl else {}),
+            BLOCK=block, PDL=pdl, num_warps=rms_norm_warps(block), **pdl_launch(pdl),
         )
     return normed, s, logits
 

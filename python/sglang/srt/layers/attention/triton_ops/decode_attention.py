@@ -20,8 +20,7 @@ import triton
 import triton.language as tl
 
 from sglang.srt.layers.attention.triton_ops.common import HeadDimTiling
-from sglang.srt.layers.fused_ops import signals_dependents
-from sglang.srt.layers.gemv_triton import _prefetch_l2
+from sglang.srt.layers.fused_ops import cache_line_elems, pdl_launch, prefetch_l2, signals_dependents
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
 MAX_KV_SPLITS = 16  # grid size along the split axis (a power of two: stage 2 tiles it)
@@ -85,7 +84,7 @@ def _decode_stage1_kernel(
         offs_n = lo + tl.arange(0, BLOCK_N)
         slots = tl.load(kv_indices + kv_start + offs_n, mask=offs_n < hi, other=0).to(tl.int64)
         lines = tl.minimum(tl.arange(0, K_LINES) * LINE_ELEMS, LK - 1)
-        _prefetch_l2(K + slots[:, None] * stride_kn + kv_head * stride_kh + lines[None, :])
+        prefetch_l2(K + slots[:, None] * stride_kn + kv_head * stride_kh + lines[None, :])
         tl.extra.cuda.gdc_wait()
 
     offs_g = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -208,7 +207,7 @@ def decode_attention(
     part_lse = torch.empty((bs, num_heads, MAX_KV_SPLITS), dtype=torch.float32, device=q.device)
     tile = tile or default_tile(tiling)
     pdl = signals_dependents(q.device)
-    line = 128 // k_cache.element_size()  # elements per cache line
+    line = cache_line_elems(k_cache)
     split_scale = MIN_TOKENS_PER_SPLIT // tile.block_n
     _decode_stage1_kernel[(bs, num_kv_heads * head_blocks, MAX_KV_SPLITS)](
         q, k_cache, v_cache, kv_indptr, kv_indices, num_splits, part_o, part_lse,
@@ -220,7 +219,7 @@ def decode_attention(
         BLOCK_D=tiling.block_d, BLOCK_DPE=tiling.block_dpe, BLOCK_DV=tiling.block_dv,
         BLOCK_H=BLOCK_H, BLOCK_N=tile.block_n, SPLIT_SCALE=split_scale,
         PDL=pdl, K_LINES=next_power_of_2(cdiv(lk, line)), LINE_ELEMS=line,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **({"launch_pdl": True} if pdl else {}),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_launch(pdl),
     )
     _decode_stage2_kernel[(bs, num_heads)](
         part_o, part_lse, out,
