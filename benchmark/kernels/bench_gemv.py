@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
 
-from graph_timing import median_replay_ms  # noqa: E402  (this folder)
+from graph_timing import capture, median_replay_ms  # noqa: E402  (this folder)
 from sglang.srt.layers import gemv_triton
 from sglang.srt.layers.fused_ops import silu_and_mul
 from sglang.srt.layers.gemv_triton import GemvConfig, gemv
@@ -125,12 +125,7 @@ def candidates(rows: int, pdl: bool = True) -> list[GemvConfig]:
 def graph_time_us(step: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Tensor], replays: int) -> float:
     """Median us per call of `step` over replays of a graph calling it once per weight copy."""
     calls = [weights[i % len(weights)] for i in range(max(MIN_CALLS, len(weights)))]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in calls:
-            step(w)
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = capture(lambda: [step(w) for w in calls])
     ms = median_replay_ms(graph, replays)
     del graph
     return ms * 1000 / len(calls)

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
 
-from graph_timing import median_replay_ms  # noqa: E402  (this folder)
+from graph_timing import capture, median_replay_ms  # noqa: E402  (this folder)
 from sglang.srt.layers.attention.triton_ops.common import HeadDimTiling  # noqa: E402
 from sglang.srt.layers.attention.triton_ops.decode_attention import (  # noqa: E402
     DecodeTile,
@@ -49,12 +49,7 @@ def make_case(bs: int, ctx: int, device: str = "cuda"):
 def time_us(run, calls: int, replays: int) -> float:
     """Median over replays of one graph of `calls` back-to-back runs, per call."""
     run()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            run()
-    graph.replay()  # warm-up
+    graph = capture(lambda: [run() for _ in range(calls)])
     return median_replay_ms(graph, replays) * 1000 / calls
 
 

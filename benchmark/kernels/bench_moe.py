@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
 
-from graph_timing import median_replay_ms  # noqa: E402  (this folder)
+from graph_timing import capture, median_replay_ms  # noqa: E402  (this folder)
 from sglang.srt.layers.fused_ops import silu_and_mul
 from sglang.srt.layers.moe.fused_moe_triton import fused_moe
 from sglang.srt.layers.moe.kernel_config import TILE_TABLE, GemmTile, MoeKernelConfig, kernel_config
@@ -109,13 +109,7 @@ def fused_layer(config: MoeKernelConfig | None) -> Callable[[torch.Tensor, Layer
 def time_per_layer(step, x: torch.Tensor, layers: list[Layer], reps: int) -> tuple[float, list[torch.Tensor]]:
     """Median ms per layer of a CUDA graph running `step` over every layer; the eager outputs."""
     outs = [step(x, layer) for layer in layers]  # compiles the kernels outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in layers:
-            step(x, layer)
-    for _ in range(3):
-        graph.replay()
+    graph = capture(lambda: [step(x, layer) for layer in layers], warmups=3)
     return median_replay_ms(graph, reps) / len(layers), outs
 
 

@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 import statistics
+from typing import Callable
 
 import torch
+
+
+def capture(launches: Callable[[], object], warmups: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of what `launches` enqueues (its kernels compiled beforehand), replayed `warmups` times."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launches()
+    for _ in range(warmups):
+        graph.replay()
+    torch.cuda.synchronize()
+    return graph
 
 
 def median_replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
