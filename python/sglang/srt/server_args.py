@@ -77,6 +77,10 @@ class ServerArgs:
     dist_init_addr: Optional[str] = field(default=None, metadata=_arg("host:port of rank 0 for torch.distributed across nodes."))
     nnodes: int = field(default=1, metadata=_arg("Number of nodes."))
     node_rank: int = field(default=0, metadata=_arg("Rank of this node."))
+    base_gpu_id: int = field(default=0, metadata=_arg("GPU of this node's first rank; rank r of the node uses GPU base_gpu_id + r * gpu_id_step."))
+    gpu_id_step: int = field(default=1, metadata=_arg("GPU id step between a node's ranks; 0 puts every rank on one GPU (collectives then go through the IPC buffers, never NCCL)."))
+    disable_custom_all_reduce: bool = field(default=False, metadata=_arg("Run every GPU collective through NCCL instead of the IPC buffers between the ranks of one node."))
+    custom_collective_buffer_mb: Optional[float] = field(default=None, metadata=_arg("MiB per data slot of the IPC collective buffers (two slots per group and rank); defaults to the largest message the engine sends, capped at 64 when NCCL can take larger ones."))
 
     # Speculative decoding
     speculative_algorithm: Optional[str] = field(default=None, metadata=_arg("Speculative decoding algorithm.", choices=SPECULATIVE_ALGORITHMS))
@@ -174,7 +178,21 @@ class ServerArgs:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.cuda_graph_bs is not None and any(b < 1 for b in self.cuda_graph_bs):
             raise ValueError("--cuda-graph-bs values must be >= 1")
+        self._check_gpu_placement()
         self._check_speculative()
+
+    def _check_gpu_placement(self) -> None:
+        if self.base_gpu_id < 0:
+            raise ValueError(f"--base-gpu-id must be >= 0, got {self.base_gpu_id}")
+        if self.gpu_id_step < 0:
+            raise ValueError(f"--gpu-id-step must be >= 0, got {self.gpu_id_step}")
+        if self.custom_collective_buffer_mb is not None and not self.custom_collective_buffer_mb > 0:
+            raise ValueError(f"--custom-collective-buffer-mb must be positive, got {self.custom_collective_buffer_mb}")
+        if self.ranks_share_gpu:
+            if self.nnodes > 1:
+                raise ValueError("--gpu-id-step 0 (ranks sharing one GPU) needs --nnodes 1: NCCL, which links nodes, refuses two ranks on one GPU")
+            if self.disable_custom_all_reduce:
+                raise ValueError("--disable-custom-all-reduce cannot be used with --gpu-id-step 0: NCCL refuses two ranks on one GPU")
 
     def _check_speculative(self) -> None:
         spec_flags = {
@@ -205,6 +223,18 @@ class ServerArgs:
                 f"and --speculative-eagle-topk {topk}, got {draft}"
             )
 
+    def _check_gpus_exist(self) -> None:
+        import torch
+
+        per_node = self.tp_size // self.nnodes * (1 if self.enable_dp_attention else self.dp_size)
+        last = self.base_gpu_id + (per_node - 1) * self.gpu_id_step
+        count = torch.cuda.device_count()
+        if last >= count:
+            raise ValueError(
+                f"--base-gpu-id {self.base_gpu_id} and --gpu-id-step {self.gpu_id_step} put this node's "
+                f"{per_node} ranks up to GPU {last}, but {count} GPU(s) are visible"
+            )
+
     def not_supported_yet(self) -> Optional[str]:
         """The message for the first requested feature that is not implemented yet."""
         for predicate, message in _NOT_SUPPORTED_YET:
@@ -218,6 +248,8 @@ class ServerArgs:
             raise ValueError(f"--attention-backend {self.attention_backend} needs CUDA; use torch_native on CPU")
         if self.device == "cuda" and not _cuda_available():
             raise ValueError("--device cuda was given but CUDA is not available")
+        if self.device == "cuda":
+            self._check_gpus_exist()
         message = self.not_supported_yet()
         if message:
             raise ValueError(message)
@@ -226,6 +258,12 @@ class ServerArgs:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def ranks_share_gpu(self) -> bool:
+        """The ranks of one model replica on one GPU (--gpu-id-step 0 on CUDA): their collectives
+        go through the IPC buffers only."""
+        return self.device == "cuda" and self.gpu_id_step == 0 and self.tp_size // self.nnodes > 1
 
     @property
     def attn_tp_size(self) -> int:

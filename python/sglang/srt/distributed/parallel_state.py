@@ -10,15 +10,38 @@ group and there is one DP rank.
 Defaults to a single rank with no torch.distributed: every collective is the identity.
 If torch.distributed is not initialized, initialize_model_parallel only records sizes and
 ranks (enough to build one rank's sharded layers in one process); collectives then fail.
+
+GPU collectives of ranks on one node go through the IPC buffers (ipc_collectives.py) once
+init_ipc_collectives has run, when the message fits the buffer; NCCL takes the rest. With
+ranks sharing one GPU (`ipc_only`) NCCL does not exist: torch.distributed runs gloo for the
+host's metadata and every GPU collective must fit the buffer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from sglang.srt.distributed.ipc_collectives import IpcCommunicator, MessageTooLarge
+
+
+def use_ipc(nbytes: int, slot_bytes: Optional[int], ipc_only: bool) -> bool:
+    """Whether a GPU collective of nbytes goes through the IPC buffers (slot_bytes None: none
+    opened) rather than NCCL; the same answer on every rank, whose message sizes agree."""
+    if ipc_only:
+        if slot_bytes is None:
+            raise RuntimeError("ranks share a GPU but the IPC collectives are not initialized")
+        if nbytes > slot_bytes:  # raised on every rank alike: no rank waits for another
+            raise MessageTooLarge(
+                f"a collective of {nbytes} bytes exceeds the IPC buffer's {slot_bytes} bytes per slot, and ranks "
+                f"sharing a GPU have no NCCL (raise --custom-collective-buffer-mb)"
+            )
+        return True
+    return slot_bytes is not None and nbytes <= slot_bytes
 
 
 @dataclass(frozen=True)
@@ -28,17 +51,31 @@ class ParallelGroup:
     size: int = 1
     rank: int = 0
     group: Optional[dist.ProcessGroup] = None
+    cpu_group: Optional[dist.ProcessGroup] = None  # gloo, the same ranks
+    ipc: Optional[IpcCommunicator] = None
+    ipc_only: bool = False  # GPU collectives must go through `ipc` (ranks share a GPU: no NCCL)
+
+    def _use_ipc(self, x: torch.Tensor) -> bool:
+        if not x.is_cuda:
+            return False
+        slot = None if self.ipc is None else self.ipc.slot_bytes
+        return use_ipc(x.numel() * x.element_size(), slot, self.ipc_only)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the group, in place."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        if self.size == 1:
+            return x
+        if self._use_ipc(x):
+            return self.ipc.all_reduce(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate each rank's x along dim, in rank order."""
         if self.size == 1:
             return x
+        if self._use_ipc(x):
+            return self.ipc.all_gather(x, dim)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
@@ -74,19 +111,43 @@ def initialize_model_parallel(tp_size: int, tp_rank: int, dp_size: int = 1, enab
     if dist.get_world_size() != tp_size:
         raise ValueError(f"world size {dist.get_world_size()} != tp_size {tp_size}")
     # Every rank creates every group in the same order (new_group is collective).
+    gloo_world = dist.get_backend() == "gloo"
     tp_group = dist.new_group(list(range(tp_size))) if tp_size > 1 else None
+    cpu_group = dist.group.WORLD if gloo_world else dist.new_group(backend="gloo")
     attn_group = tp_group if attn_tp_size == tp_size else None  # None: one rank, no collectives
+    attn_cpu_group = cpu_group if attn_tp_size == tp_size else None
     if 1 < attn_tp_size < tp_size:
         for d in range(dp):
-            g = dist.new_group(list(range(d * attn_tp_size, (d + 1) * attn_tp_size)))
+            ranks = list(range(d * attn_tp_size, (d + 1) * attn_tp_size))
+            g = dist.new_group(ranks)
+            g_cpu = g if gloo_world else dist.new_group(ranks, backend="gloo")
             if d == tp_rank // attn_tp_size:
-                attn_group = g
-    cpu_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+                attn_group, attn_cpu_group = g, g_cpu
     _state = _State(
-        ParallelGroup(tp_size, tp_rank, tp_group),
-        ParallelGroup(attn_tp_size, tp_rank % attn_tp_size, attn_group),
+        ParallelGroup(tp_size, tp_rank, tp_group, cpu_group),
+        ParallelGroup(attn_tp_size, tp_rank % attn_tp_size, attn_group, attn_cpu_group),
         dp,
         cpu_group,
+    )
+
+
+def init_ipc_collectives(tp_slot_bytes: int, attn_tp_slot_bytes: int, device: torch.device, ipc_only: bool) -> None:
+    """Open the IPC buffers of the TP group and of this rank's attention-TP group (collective
+    over the replica's ranks, which must all be on this node); slot sizes must agree across
+    ranks. The attention-TP group shares the TP group's buffers when they are the same group."""
+    global _state
+    tp, attn = _state.tp, _state.attn_tp
+    tp_ipc = attn_ipc = None
+    if tp.size > 1:
+        tp_ipc = IpcCommunicator(tp.rank, tp.size, tp_slot_bytes, device, tp.cpu_group)
+    if attn.size == tp.size:
+        attn_ipc = tp_ipc
+    elif attn.size > 1:
+        attn_ipc = IpcCommunicator(attn.rank, attn.size, attn_tp_slot_bytes, device, attn.cpu_group)
+    _state = dataclasses.replace(
+        _state,
+        tp=dataclasses.replace(tp, ipc=tp_ipc, ipc_only=ipc_only),
+        attn_tp=dataclasses.replace(attn, ipc=attn_ipc, ipc_only=ipc_only),
     )
 
 
@@ -141,11 +202,20 @@ def get_cpu_group() -> Optional[dist.ProcessGroup]:
 
 def min_over_ranks(value: int) -> int:
     """The smallest `value` of all ranks of the replica (a startup agreement, on the CPU group)."""
+    return _reduce_over_ranks(value, dist.ReduceOp.MIN)
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest `value` of all ranks of the replica (a startup agreement, on the CPU group)."""
+    return _reduce_over_ranks(value, dist.ReduceOp.MAX)
+
+
+def _reduce_over_ranks(value: int, op: dist.ReduceOp) -> int:
     group = get_cpu_group()
     if group is None:
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(t, op=op, group=group)
     return int(t.item())
 
 

@@ -21,9 +21,10 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 
-def init_distributed(device: str, world_size: int, rank: int, init_method: str, timeout_s: float) -> None:
-    """One process group per model replica: NCCL on CUDA, gloo on CPU."""
-    backend = "nccl" if device == "cuda" else "gloo"
+def init_distributed(device: str, world_size: int, rank: int, init_method: str, timeout_s: float, ranks_share_gpu: bool = False) -> None:
+    """One process group per model replica: NCCL on CUDA, gloo on CPU and for ranks that share
+    a GPU (NCCL refuses those; their GPU collectives go through the IPC buffers)."""
+    backend = "nccl" if device == "cuda" and not ranks_share_gpu else "gloo"
     dist.init_process_group(
         backend, init_method=init_method, world_size=world_size, rank=rank, timeout=timedelta(seconds=timeout_s)
     )

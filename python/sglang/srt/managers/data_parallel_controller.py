@@ -24,13 +24,17 @@ logger = logging.getLogger(__name__)
 
 
 def scheduler_ranks_on_node(server_args: ServerArgs) -> list[tuple[int, int, int | None]]:
-    """(gpu_id, tp_rank, dp_rank) of every scheduler process this node runs."""
+    """(gpu_id, tp_rank, dp_rank) of every scheduler process this node runs: the node's i-th
+    process uses GPU base_gpu_id + i * gpu_id_step."""
     per_node = server_args.tp_size // server_args.nnodes
     first = server_args.node_rank * per_node
     tp_ranks = range(first, first + per_node)
     if server_args.dp_size == 1 or server_args.enable_dp_attention:
-        return [(r - first, r, None) for r in tp_ranks]
-    return [(d * per_node + r - first, r, d) for d in range(server_args.dp_size) for r in tp_ranks]
+        local = [(r - first, r, None) for r in tp_ranks]
+    else:
+        local = [(d * per_node + r - first, r, d) for d in range(server_args.dp_size) for r in tp_ranks]
+    base, step = server_args.base_gpu_id, server_args.gpu_id_step
+    return [(base + i * step, tp_rank, dp_rank) for i, tp_rank, dp_rank in local]
 
 
 def start_scheduler_side(server_args: ServerArgs, port_args: PortArgs, ctx, subprocesses) -> list[Connection]:

@@ -141,7 +141,9 @@ class Scheduler:
             # Collectives time out only well after the watchdog, so a rank stuck waiting on a
             # frozen peer is reported by the watchdog, not by a backend timeout that races it.
             collective_timeout_s = 2 * args.watchdog_timeout
-            init_distributed(args.device, args.tp_size, tp_rank, f"tcp://{addr}", collective_timeout_s)
+            init_distributed(
+                args.device, args.tp_size, tp_rank, f"tcp://{addr}", collective_timeout_s, args.ranks_share_gpu
+            )
             initialize_model_parallel(
                 args.tp_size, tp_rank, dp_size=args.dp_size, enable_dp_attention=args.enable_dp_attention
             )
@@ -570,7 +572,13 @@ class Scheduler:
             "iterations": self.iterations,
             "plan_all_gathers": self.comm.num_plan_gathers,
             "gathered_buffer_bytes": _nbytes(self.runner.gathered_buffer),
+            "cuda_graph_replays": self.cuda_graph_replays(),
         }
+
+    def cuda_graph_replays(self) -> int:
+        """Graph replays of this rank's runners (target and draft) since startup."""
+        runners = [self.runner, getattr(self.spec_worker, "draft_runner", None)]
+        return sum(r.graph_runner.num_replays for r in runners if r is not None and r.graph_runner is not None)
 
     def start_watchdog(self) -> None:
         timeout = self.server_args.watchdog_timeout

@@ -345,6 +345,7 @@ class CudaGraphRunner:
         # Per mode, the static buffers its graphs copy their outputs into, each with its rows
         # per request (sized for the largest batch; a replay's outputs are their first rows).
         self.outputs: dict[ForwardMode, list[tuple[torch.Tensor, int]]] = {}
+        self.num_replays = 0  # idle DP ranks replay too: they count here
 
     # ------------------------------------------------------------------ choice
     def key_for(self, fb: ForwardBatch) -> Optional[GraphKey]:
@@ -482,6 +483,7 @@ class CudaGraphRunner:
         mode = self.modes[key.mode]
         self.inputs.fill(fb, key, mode)
         self.graphs[key].replay()
+        self.num_replays += 1
         outs = tuple(buffer[: fb.batch_size * per_req] for buffer, per_req in self.outputs[key.mode])
         if not mode.outputs_as_views:
             outs = tuple(t.clone() for t in outs)

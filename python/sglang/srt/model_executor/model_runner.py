@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.distributed.parallel_state import min_over_ranks
+from sglang.srt.distributed.parallel_state import init_ipc_collectives, max_over_ranks, min_over_ranks
 from sglang.srt.layers.attention import create_attention_backend
 from sglang.srt.layers.attention.base import AttentionBackend
 from sglang.srt.layers.dp_attention import gathered_buffer_rows
@@ -41,6 +41,32 @@ logger = logging.getLogger(__name__)
 _CPU_KV_BUDGET_BYTES = 1 << 30
 _CPU_MAX_KV_TOKENS = 1 << 16
 _GIB = 1 << 30
+# IPC collective slots when NCCL can take larger messages (ranks on separate GPUs).
+_IPC_SLOT_CAP_BYTES = 64 << 20
+
+
+def ipc_slot_bytes(args: ServerArgs, local_rows: int, hidden: int, vocab: int, itemsize: int) -> tuple[int, int]:
+    """Data-slot bytes of the TP group's and the attention-TP group's IPC buffers: the largest
+    message each sends (the MLP's all-reduce over every DP rank's rows under DP attention; the
+    attention-TP group's row-parallel outputs and vocabulary-sharded logits), or
+    --custom-collective-buffer-mb. Ranks on separate GPUs cap the slots (NCCL takes larger
+    messages); ranks sharing a GPU have no NCCL, so a given size too small is an error."""
+    vocab_part = -(-vocab // args.attn_tp_size)
+    attn_bytes = local_rows * max(hidden, vocab_part) * itemsize
+    tp_bytes = local_rows * args.dp_size * hidden * itemsize if args.enable_dp_attention else attn_bytes
+    if args.custom_collective_buffer_mb is not None:
+        given = int(args.custom_collective_buffer_mb * (1 << 20))
+        largest = max(tp_bytes, attn_bytes)
+        if args.ranks_share_gpu and given < largest:
+            raise ValueError(
+                f"--custom-collective-buffer-mb {args.custom_collective_buffer_mb} is too small for ranks sharing "
+                f"a GPU: the largest collective message is {largest / (1 << 20):.2f} MiB (raise it, or lower "
+                f"--chunked-prefill-size / --max-running-requests)"
+            )
+        return given, given
+    if args.ranks_share_gpu:
+        return tp_bytes, attn_bytes
+    return min(tp_bytes, _IPC_SLOT_CAP_BYTES), min(attn_bytes, _IPC_SLOT_CAP_BYTES)
 
 
 class ModelRunner:
@@ -92,6 +118,8 @@ class ModelRunner:
         )
         self.token_allocator = token_allocator or TokenToKVPoolAllocator(self.max_total_num_tokens)
         self.kv_pool = self._make_kv_pool()
+        if not is_draft:  # the draft's forwards use the same groups and buffers
+            self._init_ipc_collectives()
         self.gathered_buffer = gathered_buffer
         if server_args.enable_dp_attention and gathered_buffer is None:
             self.gathered_buffer = self._make_gathered_buffer()
@@ -155,15 +183,40 @@ class ModelRunner:
         kv_heads = cfg.get_num_kv_heads(self.attn_tp_size)
         return MHATokenToKVPool(size, self.dtype, kv_heads, cfg.head_dim, self.num_kv_layers, self.device)
 
+    def _tokens_per_request(self) -> int:
+        """Most rows one request feeds a forward outside prefill (a speculative cycle's largest
+        sub-forward: draft steps, verify, draft extend)."""
+        args = self.server_args
+        if args.speculative_algorithm is None:
+            return 1
+        return max(args.speculative_num_draft_tokens, args.speculative_eagle_topk, args.speculative_num_steps + 1)
+
+    def _init_ipc_collectives(self) -> None:
+        """The IPC buffers of this replica's groups, sized for the largest message the model
+        sends (agreed across ranks): under DP attention the MLP's all-reduce over every rank's
+        rows; the attention-TP group's row-parallel outputs and vocabulary-sharded logits."""
+        args = self.server_args
+        if args.device != "cuda" or args.tp_size == 1 or args.disable_custom_all_reduce:
+            return
+        if args.nnodes > 1:
+            logger.info("IPC collectives off: the replica spans %d nodes (NCCL only)", args.nnodes)
+            return
+        gpus = sorted({args.base_gpu_id + i * args.gpu_id_step for i in range(args.tp_size)})
+        if any(not torch.cuda.can_device_access_peer(a, b) for a in gpus for b in gpus if a != b):
+            logger.info("IPC collectives off: GPUs %s lack peer access (NCCL only)", gpus)
+            return
+        local_rows = max(self.prefill_token_budget(), self.max_running_requests * self._tokens_per_request())
+        cfg = self.model_config
+        tp_bytes, attn_bytes = ipc_slot_bytes(
+            args, max_over_ranks(local_rows), cfg.hidden_size, cfg.vocab_size, self.dtype.itemsize
+        )
+        init_ipc_collectives(tp_bytes, attn_bytes, torch.device(self.device), args.ranks_share_gpu)
+
     def _make_gathered_buffer(self) -> torch.Tensor:
         """The one DP-attention gather buffer of this rank, sized for its largest sub-forward
         (a speculative cycle's draft steps, verify and draft extend all fit in it)."""
         args = self.server_args
-        tokens_per_request = 1
-        if args.speculative_algorithm is not None:
-            tokens_per_request = max(
-                args.speculative_num_draft_tokens, args.speculative_eagle_topk, args.speculative_num_steps + 1
-            )
+        tokens_per_request = self._tokens_per_request()
         rows = gathered_buffer_rows(
             self.max_running_requests, tokens_per_request, self.prefill_token_budget(), args.dp_size
         )
