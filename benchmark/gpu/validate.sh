@@ -118,6 +118,18 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     step llama8b_profile 200 python3 benchmark/profile_engine.py --config benchmark/configs/llama-3.1-8b.json \
       --output-dir "$out/profile" -- --cuda-graph-max-bs 8
     ;;
-  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|graphs"; exit 2 ;;
+  shared-gpu)  # several ranks on one GPU (--gpu-id-step 0): the IPC collectives, then the seed's configuration
+    # ($SHARED_PARALLEL: tp2dp2 tp4dp4 tp4dp2; $SHARED_CHECKS: exact perfect idle trained load)
+    step collectives_2ranks 120 python3 benchmark/kernels/bench_collectives.py --world 2 --gpu-id-step 0 --jsonl "$out/collectives.jsonl"
+    step collectives_4ranks 120 python3 benchmark/kernels/bench_collectives.py --world 4 --gpu-id-step 0 --jsonl "$out/collectives.jsonl"
+    # shellcheck disable=SC2086
+    step shared_gpu_spec 900 python3 benchmark/gpu/validate_shared_gpu.py --out "$out" --parallel ${SHARED_PARALLEL:-tp2dp2} \
+      --checks ${SHARED_CHECKS:-exact perfect idle}
+    ;;
+  collectives)  # the IPC collectives against NCCL, ranks on separate GPUs (a machine of several GPUs)
+    step collectives_nccl 150 python3 benchmark/kernels/bench_collectives.py --world "${WORLD:-2}" --gpu-id-step 1 \
+      --jsonl "$out/collectives.jsonl"
+    ;;
+  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|graphs|shared-gpu|collectives"; exit 2 ;;
 esac
 done

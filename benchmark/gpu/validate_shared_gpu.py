@@ -1,0 +1,251 @@
+"""The seed's configuration (NEXTN under DP attention with CUDA graphs) with every rank on one
+GPU (--gpu-id-step 0), its collectives through the IPC buffers. Run on the device machine:
+
+    source .device/env.sh && python3 benchmark/gpu/validate_shared_gpu.py --out $OUT \
+        --parallel tp2dp2 --checks exact perfect idle
+
+Checks (each prints JSON lines and appends them to $OUT/shared_gpu.jsonl):
+- exact: the tiny DeepSeek-V3 with MTP in float32, NEXTN chain (3/1/4) and tree (topk 4, 8
+  draft tokens), eager and with CUDA graphs: 32 prompts of mixed lengths sent together and
+  then staggered give the greedy tokens of the single-rank run without speculation;
+- perfect: a draft that reproduces its target accepts steps + 1 tokens on every DP rank,
+  with graphs (per-rank accept length from /get_server_info and from the log);
+- idle: one request, so DP rank 1 has none for the whole run, yet replays its graphs;
+- trained: the trained small DeepSeek with MTP ($MODELS/deepseek-v3-mtp, trained there when
+  absent): per-rank accept length with graphs vs eager (within 0.02) and vs one rank (0.05);
+- load: benchmark/load_test.py, 300 mixed requests (streaming, 10% aborted, greedy and
+  sampling) at concurrency 32, then the KV pool back to full on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import requests
+
+from sglang.test.server_utils import kill_server, popen_launch_server
+from sglang.test.spec_models import make_perfect_deepseek_v3
+from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
+
+PARALLEL = {
+    "tp2dp2": ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"],
+    "tp4dp4": ["--tp-size", "4", "--dp-size", "4", "--enable-dp-attention"],
+    "tp4dp2": ["--tp-size", "4", "--dp-size", "2", "--enable-dp-attention"],
+}
+SPECS = {
+    "chain": ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+              "--speculative-num-draft-tokens", "4"],
+    "tree": ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
+             "--speculative-num-draft-tokens", "8"],
+}
+SHARED = ["--gpu-id-step", "0", "--cuda-graph-max-bs", "16", "--mem-fraction-static", "0.2"]
+
+
+def workload(vocab: int, n: int = 32, seed: int = 0) -> list[tuple[list[int], int]]:
+    """n prompts of mixed lengths (1..120 tokens) with mixed output lengths (4..40)."""
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab) for _ in range(rng.choice([1, 5, 17, 40, 120]))], rng.randrange(4, 41)) for _ in range(n)]
+
+
+def generate(url: str, items: list[tuple[list[int], int]], stagger_s: float = 0.0) -> list[list[int]]:
+    """Greedy output ids of every item, sent concurrently (item i after i * stagger_s)."""
+
+    def one(i: int) -> list[int]:
+        time.sleep(i * stagger_s)
+        ids, max_new = items[i]
+        params = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
+        r = requests.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": params}, timeout=600)
+        r.raise_for_status()
+        return r.json()["output_ids"]
+
+    with ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(one, range(len(items))))
+
+
+def rank_states(url: str) -> list[dict]:
+    states = requests.get(f"{url}/get_server_info", timeout=60).json()["internal_states"]
+    keep = ("dp_rank", "avg_spec_accept_length", "cuda_graph_replays", "num_running_reqs", "available_kv_tokens", "max_total_num_tokens")
+    return [{k: s.get(k) for k in keep} for s in states]
+
+
+class Server:
+    def __init__(self, model: str, flags: list[str]):
+        self.flags = flags
+        self.proc = popen_launch_server(model, ["--dtype", "float32", *flags], timeout=600)
+        self.url = self.proc.base_url
+
+    def log_accept_lines(self) -> list[str]:
+        with open(self.proc.log_path, errors="replace") as f:
+            return [line.strip()[-160:] for line in f if "accept len" in line][-6:]
+
+    def close(self) -> None:
+        kill_server(self.proc)
+
+
+def emit(out: str, row: dict) -> None:
+    print(json.dumps(row), flush=True)
+    with open(os.path.join(out, "shared_gpu.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def run_server(out: str, name: str, model: str, flags: list[str], body) -> None:
+    start = time.time()
+    server: Optional[Server] = None
+    try:
+        server = Server(model, flags)
+        row = {"check": name, **body(server)}
+    except Exception as e:  # keep validating the other configurations
+        row = {"check": name, "ok": False, "error": f"{type(e).__name__}: {e}"[-1500:]}
+    finally:
+        if server is not None:
+            server.close()
+    row["seconds"] = round(time.time() - start, 1)
+    emit(out, row)
+
+
+def check_exact(out: str, parallel: str, tiny: str, reference_server_flags: list[str]) -> None:
+    items = workload(vocab=256)
+    reference: list = []
+
+    def ref_body(server: Server) -> dict:
+        reference.extend(generate(server.url, items))
+        return {"ok": True, "tokens": sum(map(len, reference))}
+
+    run_server(out, "exact reference: 1 rank, no speculation, eager", tiny, reference_server_flags, ref_body)
+    for spec in ("chain", "tree"):
+        for graphs in (False, True):
+            flags = [*PARALLEL[parallel], *SHARED, *SPECS[spec], *([] if graphs else ["--disable-cuda-graph"])]
+
+            def body(server: Server) -> dict:
+                together = generate(server.url, items)
+                staggered = generate(server.url, items, stagger_s=0.05)
+                states = rank_states(server.url)
+                return {
+                    "ok": together == reference and staggered == reference,
+                    "together_identical": together == reference,
+                    "staggered_identical": staggered == reference,
+                    "first_diff": next((i for i, (a, b) in enumerate(zip(staggered, reference)) if a != b), None),
+                    "ranks": states,
+                }
+
+            run_server(out, f"exact {parallel} {spec} {'graphs' if graphs else 'eager'}", tiny, flags, body)
+
+
+def check_perfect(out: str, parallel: str, perfect: str) -> None:
+    items = workload(vocab=256, n=16, seed=1)
+
+    def body(server: Server) -> dict:
+        generate(server.url, items)
+        states = rank_states(server.url)
+        accepts = [s["avg_spec_accept_length"] for s in states]
+        return {"ok": all(a == 4.0 for a in accepts), "accept_per_rank": accepts, "log": server.log_accept_lines()}
+
+    run_server(out, f"perfect draft {parallel} chain graphs", perfect, [*PARALLEL[parallel], *SHARED, *SPECS["chain"]], body)
+
+
+def check_idle(out: str, parallel: str, tiny: str) -> None:
+    def body(server: Server) -> dict:
+        before = rank_states(server.url)  # the warm-up request went to DP rank 0
+        generate(server.url, [([5, 6, 7], 40)])  # round robin: DP rank 1
+        after = rank_states(server.url)
+        replays = [a["cuda_graph_replays"] - b["cuda_graph_replays"] for a, b in zip(after, before)]
+        idle = [i for i in range(len(after)) if i != 1]
+        return {"ok": all(replays[i] > 0 for i in idle), "replays_during_run": replays, "ranks": after}
+
+    run_server(out, f"idle ranks replay graphs {parallel} chain", tiny, [*PARALLEL[parallel], *SHARED, *SPECS["chain"]], body)
+
+
+def check_trained(out: str, parallel: str, models: str) -> None:
+    """Requests go one at a time, in order, so request i reaches DP rank (i + 1) % dp (round
+    robin after the server's warm-up request): each DP rank's accept length is compared with
+    the single-rank run's over the same requests (tokens after the first / verify steps)."""
+    path = os.path.join(models, "deepseek-v3-mtp")
+    if not os.path.isdir(path):
+        subprocess.run([sys.executable, "-m", "sglang.tools.train_tiny_models", "--out", models, "--device", "cuda",
+                        "--minutes", "1.5", "--models", "deepseek"], check=True, timeout=400)
+    with open(os.path.join(models, "heldout_prompts.jsonl")) as f:
+        prompts = [json.loads(line)["prompt"] for line in f][:32]
+    dp = int(PARALLEL[parallel][PARALLEL[parallel].index("--dp-size") + 1])
+    runs: dict[str, dict] = {}
+
+    def subset_accept(per_request: list[tuple[int, int]]) -> list[float]:
+        """Accept length over the requests each DP rank of `parallel` gets."""
+        by_rank = [per_request[(r - 1) % dp :: dp] for r in range(dp)]
+        return [round(sum(t for t, _ in reqs) / max(1, sum(v for _, v in reqs)), 4) for reqs in by_rank]
+
+    def run(label: str, flags: list[str]) -> None:
+        def body(server: Server) -> dict:
+            per_request = []
+            for p in prompts:
+                params = {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
+                r = requests.post(f"{server.url}/generate", json={"text": p, "sampling_params": params}, timeout=600)
+                r.raise_for_status()
+                meta = r.json()["meta_info"]
+                per_request.append((meta["completion_tokens"] - 1, meta["spec_verify_ct"]))
+            runs[label] = {"scheduler": [s["avg_spec_accept_length"] for s in rank_states(server.url)],
+                           "subset": subset_accept(per_request)}
+            return {"ok": True, **runs[label]}
+
+        run_server(out, f"trained {label}", path, flags, body)
+
+    run("1 rank graphs", [*SPECS["chain"], "--cuda-graph-max-bs", "16"])
+    run(f"{parallel} eager", [*PARALLEL[parallel], *SHARED, *SPECS["chain"], "--disable-cuda-graph"])
+    run(f"{parallel} graphs", [*PARALLEL[parallel], *SHARED, *SPECS["chain"]])
+    single, eager, graphs = (runs.get(k) for k in ("1 rank graphs", f"{parallel} eager", f"{parallel} graphs"))
+    if single and eager and graphs:
+        graphs_vs_eager = max(abs(g - e) for g, e in zip(graphs["scheduler"], eager["scheduler"]))
+        vs_single = max(abs(g - s) for g, s in zip(graphs["subset"], single["subset"]))
+        emit(out, {
+            "check": f"trained accept {parallel}", "ok": graphs_vs_eager <= 0.02 and vs_single <= 0.05,
+            "graphs_vs_eager_max_diff": round(graphs_vs_eager, 4), "vs_single_rank_max_diff": round(vs_single, 4),
+            "graphs": graphs, "eager": eager, "single_rank": single,
+        })
+
+
+def check_load(out: str, parallel: str, tiny: str) -> None:
+    def body(server: Server) -> dict:
+        cmd = [sys.executable, "benchmark/load_test.py", "--base-url", server.url, "--num-requests", "300",
+               "--concurrency", "32", "--abort-fraction", "0.1", "--max-tokens", "24", "--total-timeout", "500"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560)
+        summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-1500:]
+        states = rank_states(server.url)
+        full = all(s["available_kv_tokens"] == s["max_total_num_tokens"] for s in states)
+        return {"ok": proc.returncode == 0 and full, "load_test": summary[-1500:], "kv_full": full, "ranks": states}
+
+    run_server(out, f"load {parallel} chain graphs", tiny, [*PARALLEL[parallel], *SHARED, *SPECS["chain"]], body)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=".")
+    p.add_argument("--parallel", nargs="+", choices=sorted(PARALLEL), default=["tp2dp2"])
+    p.add_argument("--checks", nargs="+", choices=("exact", "perfect", "idle", "trained", "load"), default=["exact", "perfect", "idle"])
+    p.add_argument("--models", default=os.environ.get("MODELS", "/tmp/bench_models"))
+    args = p.parse_args()
+    tmp = tempfile.mkdtemp()
+    tiny = make_tiny_deepseek_v3(os.path.join(tmp, "dsv3"))
+    perfect = make_perfect_deepseek_v3(os.path.join(tmp, "perfect")) if "perfect" in args.checks else ""
+    for parallel in args.parallel:
+        if "exact" in args.checks:
+            check_exact(args.out, parallel, tiny, ["--disable-cuda-graph", "--mem-fraction-static", "0.2"])
+        if "perfect" in args.checks:
+            check_perfect(args.out, parallel, perfect)
+        if "idle" in args.checks:
+            check_idle(args.out, parallel, tiny)
+        if "trained" in args.checks:
+            check_trained(args.out, parallel, args.models)
+        if "load" in args.checks:
+            check_load(args.out, parallel, tiny)
+
+
+if __name__ == "__main__":
+    main()
