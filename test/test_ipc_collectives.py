@@ -119,3 +119,30 @@ def test_all_reduce_and_all_gather_between_processes(world, monkeypatch):
     for rank, got, counter in rows:
         assert all(got), (rank, got)
         assert counter == 9 + 1  # 5 all-reduces (one of 0 elements: skipped) + 5 all-gathers + 1
+
+
+# ---------------------------------------------------------------------- layers built before the buffers
+def _layers_use_ipc(rank: int, world: int, results) -> None:
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.layers.linear import RowParallelLinear
+
+    ps.initialize_model_parallel(world, rank)
+    torch.manual_seed(rank)
+    layer = RowParallelLinear(8 * world, 6)  # built first, as the model runner does
+    x = torch.randn(5, 8)
+    by_gloo = layer(x)
+    ps.init_ipc_collectives(tp_slot_bytes=1024, attn_tp_slot_bytes=1024, device=torch.device("cpu"))
+    by_ipc = layer(x)
+    gathered = ps.get_tp().all_gather(torch.full((2, 1), float(rank)), dim=-1)
+    results.put((rank, layer.group.ipc is not None, torch.allclose(by_gloo, by_ipc), int(layer.group.ipc.counter.item()), gathered.tolist()))
+
+
+def test_layers_built_before_the_buffers_use_them(monkeypatch):
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    results = mp.get_context("spawn").Queue()
+    spawn_gloo(_layers_use_ipc, 2, results)
+    for rank, has_ipc, same, counter, gathered in sorted(results.get(timeout=60) for _ in range(2)):
+        assert has_ipc and same and counter == 2, (rank, has_ipc, same, counter)
+        assert gathered == [[0.0, 1.0], [0.0, 1.0]]

@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,7 @@ PARALLEL = {
     "tp4dp2": ["--tp-size", "4", "--dp-size", "2", "--enable-dp-attention"],
 }
 SPECS = {
+    "plain": [],
     "chain": ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
               "--speculative-num-draft-tokens", "4"],
     "tree": ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
@@ -71,6 +73,17 @@ def generate(url: str, items: list[tuple[list[int], int]], stagger_s: float = 0.
         return list(pool.map(one, range(len(items))))
 
 
+def first_difference(together: list, staggered: list, reference: list, items: list) -> Optional[dict]:
+    """Where the first differing output leaves the reference (prompt index, token position)."""
+    for label, outputs in (("together", together), ("staggered", staggered)):
+        for i, (got, want) in enumerate(zip(outputs, reference)):
+            if got != want:
+                pos = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                return {"run": label, "prompt": i, "prompt_len": len(items[i][0]), "token": pos,
+                        "got": got[pos : pos + 4], "want": want[pos : pos + 4]}
+    return None
+
+
 def rank_states(url: str) -> list[dict]:
     states = requests.get(f"{url}/get_server_info", timeout=60).json()["internal_states"]
     keep = ("dp_rank", "avg_spec_accept_length", "cuda_graph_replays", "num_running_reqs", "available_kv_tokens", "max_total_num_tokens")
@@ -97,6 +110,12 @@ def emit(out: str, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def _log_path_of(message: str) -> Optional[str]:
+    """The server log named in popen_launch_server's startup error."""
+    found = re.search(r"\(log: ([^)]+)\)", message)
+    return found.group(1) if found else None
+
+
 def run_server(out: str, name: str, model: str, flags: list[str], body) -> None:
     start = time.time()
     server: Optional[Server] = None
@@ -105,6 +124,10 @@ def run_server(out: str, name: str, model: str, flags: list[str], body) -> None:
         row = {"check": name, **body(server)}
     except Exception as e:  # keep validating the other configurations
         row = {"check": name, "ok": False, "error": f"{type(e).__name__}: {e}"[-1500:]}
+        log = server.proc.log_path if server is not None else _log_path_of(str(e))
+        if log:
+            with open(log, errors="replace") as src, open(os.path.join(out, "failed_servers.log"), "a") as dst:
+                dst.write(f"===== {name}\n{src.read()[-200_000:]}\n")
     finally:
         if server is not None:
             server.close()
@@ -112,7 +135,7 @@ def run_server(out: str, name: str, model: str, flags: list[str], body) -> None:
     emit(out, row)
 
 
-def check_exact(out: str, parallel: str, tiny: str, reference_server_flags: list[str]) -> None:
+def check_exact(out: str, parallel: str, tiny: str, reference_server_flags: list[str], specs: list[str], modes: list[str]) -> None:
     items = workload(vocab=256)
     reference: list = []
 
@@ -121,8 +144,8 @@ def check_exact(out: str, parallel: str, tiny: str, reference_server_flags: list
         return {"ok": True, "tokens": sum(map(len, reference))}
 
     run_server(out, "exact reference: 1 rank, no speculation, eager", tiny, reference_server_flags, ref_body)
-    for spec in ("chain", "tree"):
-        for graphs in (False, True):
+    for spec in specs:
+        for graphs in (mode == "graphs" for mode in modes):
             flags = [*PARALLEL[parallel], *SHARED, *SPECS[spec], *([] if graphs else ["--disable-cuda-graph"])]
 
             def body(server: Server) -> dict:
@@ -133,7 +156,7 @@ def check_exact(out: str, parallel: str, tiny: str, reference_server_flags: list
                     "ok": together == reference and staggered == reference,
                     "together_identical": together == reference,
                     "staggered_identical": staggered == reference,
-                    "first_diff": next((i for i, (a, b) in enumerate(zip(staggered, reference)) if a != b), None),
+                    "first_diff": first_difference(together, staggered, reference, items),
                     "ranks": states,
                 }
 
@@ -229,6 +252,8 @@ def main() -> None:
     p.add_argument("--out", default=".")
     p.add_argument("--parallel", nargs="+", choices=sorted(PARALLEL), default=["tp2dp2"])
     p.add_argument("--checks", nargs="+", choices=("exact", "perfect", "idle", "trained", "load"), default=["exact", "perfect", "idle"])
+    p.add_argument("--specs", nargs="+", choices=sorted(SPECS), default=["chain", "tree"], help="exact: speculative settings")
+    p.add_argument("--modes", nargs="+", choices=("eager", "graphs"), default=["eager", "graphs"], help="exact: eager and/or graphs")
     p.add_argument("--models", default=os.environ.get("MODELS", "/tmp/bench_models"))
     args = p.parse_args()
     tmp = tempfile.mkdtemp()
@@ -236,7 +261,7 @@ def main() -> None:
     perfect = make_perfect_deepseek_v3(os.path.join(tmp, "perfect")) if "perfect" in args.checks else ""
     for parallel in args.parallel:
         if "exact" in args.checks:
-            check_exact(args.out, parallel, tiny, ["--disable-cuda-graph", "--mem-fraction-static", "0.2"])
+            check_exact(args.out, parallel, tiny, ["--disable-cuda-graph", "--mem-fraction-static", "0.2"], args.specs, args.modes)
         if "perfect" in args.checks:
             check_perfect(args.out, parallel, perfect)
         if "idle" in args.checks:

@@ -86,7 +86,7 @@ def popen_launch_server(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"Server exited with code {proc.returncode}:\n{proc.log_tail()}")
+            raise RuntimeError(f"Server exited with code {proc.returncode} (log: {proc.log_path}):\n{proc.log_tail()}")
         try:
             if requests.get(f"{proc.base_url}/health", headers=proc.headers(), timeout=5).status_code == 200:
                 return proc

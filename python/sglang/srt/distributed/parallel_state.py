@@ -19,8 +19,7 @@ host's metadata and every GPU collective must fit the buffer.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -44,9 +43,10 @@ def use_ipc(nbytes: int, slot_bytes: Optional[int], ipc_only: bool) -> bool:
     return slot_bytes is not None and nbytes <= slot_bytes
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class ParallelGroup:
-    """A group of ranks a layer shards over; size 1 makes every collective the identity."""
+    """A group of ranks a layer shards over; size 1 makes every collective the identity.
+    Layers keep the object they were built with: init_ipc_collectives sets `ipc` on it."""
 
     size: int = 1
     rank: int = 0
@@ -56,10 +56,10 @@ class ParallelGroup:
     ipc_only: bool = False  # GPU collectives must go through `ipc` (ranks share a GPU: no NCCL)
 
     def _use_ipc(self, x: torch.Tensor) -> bool:
-        if not x.is_cuda:
+        on_ipc_device = self.ipc is not None and x.device == self.ipc.device
+        if not (on_ipc_device or (self.ipc_only and x.is_cuda)):
             return False
-        slot = None if self.ipc is None else self.ipc.slot_bytes
-        return use_ipc(x.numel() * x.element_size(), slot, self.ipc_only)
+        return use_ipc(x.numel() * x.element_size(), self.ipc.slot_bytes if self.ipc else None, self.ipc_only)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the group, in place."""
@@ -83,8 +83,8 @@ class ParallelGroup:
 
 @dataclass(frozen=True)
 class _State:
-    tp: ParallelGroup = ParallelGroup()
-    attn_tp: ParallelGroup = ParallelGroup()
+    tp: ParallelGroup = field(default_factory=ParallelGroup)
+    attn_tp: ParallelGroup = field(default_factory=ParallelGroup)
     dp_size: int = 1  # attention DP ranks (1 unless DP attention is on)
     cpu_group: Optional[dist.ProcessGroup] = None
 
@@ -92,10 +92,13 @@ class _State:
 _state = _State()
 
 
-def initialize_model_parallel(tp_size: int, tp_rank: int, dp_size: int = 1, enable_dp_attention: bool = False) -> None:
+def initialize_model_parallel(
+    tp_size: int, tp_rank: int, dp_size: int = 1, enable_dp_attention: bool = False, ipc_only: bool = False
+) -> None:
     """Create this replica's groups; call on every rank (after init_process_group when tp_size > 1).
 
     dp_size only matters with enable_dp_attention (independent replicas are the launcher's).
+    ipc_only: the ranks share a GPU, so GPU collectives fail until init_ipc_collectives.
     """
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
@@ -124,31 +127,24 @@ def initialize_model_parallel(tp_size: int, tp_rank: int, dp_size: int = 1, enab
             if d == tp_rank // attn_tp_size:
                 attn_group, attn_cpu_group = g, g_cpu
     _state = _State(
-        ParallelGroup(tp_size, tp_rank, tp_group, cpu_group),
-        ParallelGroup(attn_tp_size, tp_rank % attn_tp_size, attn_group, attn_cpu_group),
+        ParallelGroup(tp_size, tp_rank, tp_group, cpu_group, ipc_only=ipc_only),
+        ParallelGroup(attn_tp_size, tp_rank % attn_tp_size, attn_group, attn_cpu_group, ipc_only=ipc_only),
         dp,
         cpu_group,
     )
 
 
-def init_ipc_collectives(tp_slot_bytes: int, attn_tp_slot_bytes: int, device: torch.device, ipc_only: bool) -> None:
+def init_ipc_collectives(tp_slot_bytes: int, attn_tp_slot_bytes: int, device: torch.device) -> None:
     """Open the IPC buffers of the TP group and of this rank's attention-TP group (collective
     over the replica's ranks, which must all be on this node); slot sizes must agree across
     ranks. The attention-TP group shares the TP group's buffers when they are the same group."""
-    global _state
     tp, attn = _state.tp, _state.attn_tp
-    tp_ipc = attn_ipc = None
     if tp.size > 1:
-        tp_ipc = IpcCommunicator(tp.rank, tp.size, tp_slot_bytes, device, tp.cpu_group)
+        tp.ipc = IpcCommunicator(tp.rank, tp.size, tp_slot_bytes, device, tp.cpu_group)
     if attn.size == tp.size:
-        attn_ipc = tp_ipc
+        attn.ipc = tp.ipc
     elif attn.size > 1:
-        attn_ipc = IpcCommunicator(attn.rank, attn.size, attn_tp_slot_bytes, device, attn.cpu_group)
-    _state = dataclasses.replace(
-        _state,
-        tp=dataclasses.replace(tp, ipc=tp_ipc, ipc_only=ipc_only),
-        attn_tp=dataclasses.replace(attn, ipc=attn_ipc, ipc_only=ipc_only),
-    )
+        attn.ipc = IpcCommunicator(attn.rank, attn.size, attn_tp_slot_bytes, device, attn.cpu_group)
 
 
 def get_tp() -> ParallelGroup:

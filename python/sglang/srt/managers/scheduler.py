@@ -145,7 +145,11 @@ class Scheduler:
                 args.device, args.tp_size, tp_rank, f"tcp://{addr}", collective_timeout_s, args.ranks_share_gpu
             )
             initialize_model_parallel(
-                args.tp_size, tp_rank, dp_size=args.dp_size, enable_dp_attention=args.enable_dp_attention
+                args.tp_size,
+                tp_rank,
+                dp_size=args.dp_size,
+                enable_dp_attention=args.enable_dp_attention,
+                ipc_only=args.ranks_share_gpu,
             )
         return SchedulerComm(args.tp_size, tp_rank, args.attn_tp_size, args.enable_dp_attention)
 

@@ -210,7 +210,7 @@ class ModelRunner:
         tp_bytes, attn_bytes = ipc_slot_bytes(
             args, max_over_ranks(local_rows), cfg.hidden_size, cfg.vocab_size, self.dtype.itemsize
         )
-        init_ipc_collectives(tp_bytes, attn_bytes, torch.device(self.device), args.ranks_share_gpu)
+        init_ipc_collectives(tp_bytes, attn_bytes, torch.device(self.device))
 
     def _make_gathered_buffer(self) -> torch.Tensor:
         """The one DP-attention gather buffer of this rank, sized for its largest sub-forward
