@@ -256,10 +256,12 @@ class EAGLEWorker:
         result = GenerationResult([[] for _ in batch.reqs], list(batch.extend_lens))
         sampled = self.target.sample_rows(batch.reqs, ready, out, result) if ready else None
         # Draft sees every chunk: ids shifted left by one, then the next token (prompt or sampled).
+        # A NaN_TOKEN_ID (--enable-nan-detection: non-finite logits) is no embedding row: the
+        # draft reads token 0 in its place; the scheduler finishes that request with its error.
         ids: list[int] = []
         for i, req in enumerate(batch.reqs):
             start, end = batch.prefix_lens[i], batch.seq_lens[i]
-            nxt = req.all_ids[end] if end < req.seq_len else result.next_token_ids[i][0]
+            nxt = req.all_ids[end] if end < req.seq_len else max(result.next_token_ids[i][0], 0)
             ids += req.all_ids[start + 1 : end] + [nxt]
         draft_fb = replace(
             fb,
@@ -273,7 +275,7 @@ class EAGLEWorker:
             reqs = [batch.reqs[i] for i in ready]
             req_rows, kv_lens, out_rows = upload([[r.req_pool_idx for r in reqs], [r.seq_len for r in reqs], ready], self.device)
             self.states.kv_lens.index_copy_(0, req_rows, kv_lens)
-            self.states.last_tokens.index_copy_(0, req_rows, sampled.next_token_ids)
+            self.states.last_tokens.index_copy_(0, req_rows, sampled.next_token_ids.clamp(min=0))
             logits, hidden = draft_out.next_token_logits, draft_out.hidden_states
             if len(ready) < logits.shape[0]:  # else the rows are all rows, in order
                 logits, hidden = logits[out_rows], hidden[out_rows]
@@ -314,20 +316,26 @@ class EAGLEWorker:
     ) -> VerifyOutcome:
         """The outcome of a batch that samples or has penalties (from the verify logits; the
         greedy outcome otherwise), and what the host reads of the cycle into `reads`."""
+        non_finite = non_finite_requests(logits, len(reqs)) if self.detect_nan else None
         if not _greedy_without_penalties(reqs):
-            logits, acceptance = self.accept(reqs, tree, node_tokens, logits)
+            logits, acceptance = self.accept(reqs, tree, node_tokens, logits, non_finite)
             outcome = verify_outcome(acceptance, cycle.kv_len, cycle.slots[:, : self.num_draft], hidden)
         reads.append(outcome.host_reads)
-        if self.detect_nan:
-            reads.append(non_finite_requests(logits, len(reqs)))
+        if non_finite is not None:
+            reads.append(non_finite)
         if any(r.return_logprob for r in reqs):
             reads += self._logprobs(reqs, logits, outcome.acceptance)
         return outcome
 
     def accept(
-        self, reqs: list[Req], tree: DraftTree, node_tokens: torch.Tensor, logits: torch.Tensor
+        self, reqs: list[Req], tree: DraftTree, node_tokens: torch.Tensor, logits: torch.Tensor,
+        non_finite: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Acceptance]:
-        """The verify logits after penalties and what they accept (greedy, or sampled)."""
+        """The verify logits after penalties and what they accept (greedy, or sampled).
+        non_finite [bs]: requests whose logits are zeroed first (their outcome is discarded),
+        so that sampling stays valid."""
+        if non_finite is not None:
+            logits = logits.masked_fill(non_finite.repeat_interleave(self.num_draft).view(-1, 1), 0.0)
         info = SamplingBatchInfo.from_requests(  # penalties see the tokens generated before this cycle
             [r.sampling_params for r in reqs for _ in range(self.num_draft)],
             [(r.origin_input_ids, r.output_ids) for r in reqs for _ in range(self.num_draft)],
