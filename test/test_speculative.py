@@ -10,14 +10,13 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import sglang as sgl
 from sglang.srt.server_args import ServerArgs
+from sglang.test.chi_square import chi_square, fits
 from sglang.test.spec_models import make_eagle_head, make_perfect_deepseek_v3, make_perfect_llama_pair
 from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
 from sglang.test.tiny_models import make_tiny_llama
@@ -163,25 +162,6 @@ def test_perfect_nextn_accepts_every_draft(tmp_path, chain):
     assert ids == _hf_greedy(target, PROMPTS, MAX_NEW)
 
 
-def _chi_square_critical(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
-    h = 2.0 / (9.0 * df)
-    return df * (1.0 - h + z * math.sqrt(h)) ** 3
-
-
-def _chi_square(counts: dict[int, int], expected: torch.Tensor, n: int) -> tuple[float, int]:
-    """Statistic and degrees of freedom; cells expecting fewer than 5 samples are pooled."""
-    big = [t for t in range(expected.numel()) if expected[t] * n >= 5]
-    cells = [(counts.get(t, 0), float(expected[t]) * n) for t in big]
-    rest_obs = n - sum(o for o, _ in cells)
-    rest_exp = n - sum(e for _, e in cells)
-    if rest_exp > 1e-9:
-        cells.append((rest_obs, rest_exp))
-    else:
-        assert rest_obs == 0, "tokens outside the target's support"
-    return sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
-
-
 def test_tree_sampling_keeps_target_distribution(perfect_llama):
     """The target of the perfect pair predicts from the current token alone, so the law of
     the k-th output token is a product of per-token next-token distributions q."""
@@ -209,8 +189,7 @@ def test_tree_sampling_keeps_target_distribution(perfect_llama):
         counts: dict[int, int] = {}
         for o in outs:
             counts[o["output_ids"][k]] = counts.get(o["output_ids"][k], 0) + 1
-        stat, df = _chi_square(counts, law, num)
-        assert stat < _chi_square_critical(df), (k, stat, df)
+        assert fits(counts, law, num), (k, chi_square(counts, law, num))
 
 
 def test_eagle_tree_under_tp2_equals_plain(llama_pair, llama_baseline):

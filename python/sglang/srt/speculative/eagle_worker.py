@@ -52,12 +52,12 @@ from sglang.srt.speculative.eagle_utils import (
     VerifyOutcome,
     greedy_accept,
     non_finite_requests,
+    sample_acceptance,
     verify_outcome,
-    walk_tree,
 )
 from sglang.srt.speculative.spec_info import RequestStates, SpecInput, top_guesses
 from sglang.srt.speculative.spec_plan import SpecIterationPlan, SpecSizes, SubForward
-from sglang.srt.utils.transfer import HostCopy, to_host, upload
+from sglang.srt.utils.transfer import HostCopy, upload
 
 logger = logging.getLogger(__name__)
 
@@ -353,28 +353,11 @@ class EAGLEWorker:
         self, reqs: list[Req], tree: DraftTree, node_tokens: torch.Tensor, logits: torch.Tensor, info: SamplingBatchInfo
     ) -> Acceptance:
         """Lossless tree sampling, walked on the host (two reads of the device)."""
-        bs, n, width = len(reqs), self.num_draft, self.sizes.draft_extend_rows
-        probs = Sampler.filtered_probs(logits, info)
-        parent_rows = torch.arange(bs, device=self.device).view(-1, 1) * n + tree.parents
-        child_prob = probs[parent_rows.flatten(), node_tokens.flatten()].view(bs, n)
-        child_prob, uniforms, parents, tokens = to_host(child_prob, self._uniforms(reqs, n), tree.parents, node_tokens)
-        walks = [walk_tree(parents[b], child_prob[b], uniforms[b]) for b in range(bs)]
-        paths = [w[0] for w in walks]
-        finals = [b * n + (p[-1] if p else 0) for b, p in enumerate(paths)]
-        rejected = [(b, tokens[b][c]) for b, (_, cands) in enumerate(walks) for c in cands]
-        finals_t, rej_rows, rej_toks = upload([finals, [b for b, _ in rejected], [t for _, t in rejected]], self.device)
-        residual = probs[finals_t]  # a copy
-        residual[rej_rows, rej_toks] = 0.0
-        residual /= residual.sum(dim=-1, keepdim=True)
         generators = [self.target.generators.get(r.rid) for r in reqs]
-        (bonus,) = to_host(Sampler._draw(residual, generators if any(generators) else None))
-        nodes, emitted = [], []
-        for b, path in enumerate(paths):
-            pad = width - len(path) - 1
-            nodes.append([0] + path + [path[-1] if path else 0] * pad)
-            emitted.append([tokens[b][c] for c in path] + [bonus[b]] + [0] * pad)
-        accept_len, nodes_t, emitted_t = upload([[len(p) for p in paths], sum(nodes, []), sum(emitted, [])], self.device)
-        return Acceptance(accept_len, nodes_t.view(bs, width), emitted_t.view(bs, width))
+        draw = partial(Sampler._draw, generators=generators if any(generators) else None)
+        probs = Sampler.filtered_probs(logits, info)
+        uniforms = self._uniforms(reqs, self.num_draft)
+        return sample_acceptance(probs, tree, node_tokens, uniforms, draw, self.sizes.draft_extend_rows)
 
     def _uniforms(self, reqs: list[Req], n: int) -> torch.Tensor:
         u = torch.rand((len(reqs), n), device=self.device)
