@@ -72,3 +72,23 @@ def test_nan_verify_logits_end_a_sampled_request(nan_llama_pair, spec):
     reasons = scheduler.send_to_detokenizer.finish_reasons
     assert reasons["r0"]["message"] == NAN_ERROR and nan_llama_pair[2] not in ids[0][:3]
     assert len(ids[1]) == 6 and reasons["r1"]["type"] == "length"
+
+
+@pytest.mark.parametrize("spec", [CHAIN, TREE], ids=["chain", "tree"])
+def test_a_lone_request_that_outgrows_the_kv_pool_ends_by_length(nan_llama_pair, spec):
+    """Nothing is left to retract: the request ends with finish reason `length` once a cycle's
+    slots no longer fit; a prompt too long for even one cycle is refused up front."""
+    pool = 48
+    scheduler = start_scheduler(_eagle_args(nan_llama_pair, max_total_tokens=pool, **spec))
+    need = scheduler.worker.decode_kv_need_per_req()
+    assert scheduler.max_req_input_len == pool - need
+    prompt = CLEAN * 10  # 30 tokens
+    ids = greedy(scheduler, [prompt], [100])[0]
+    reason = scheduler.send_to_detokenizer.finish_reasons["r0"]
+    assert reason == {"type": "length", "length": len(ids)} and 1 < len(ids) < 100
+    assert len(prompt) + len(ids) > pool - need - scheduler.worker.max_tokens_per_step()
+    # Still serving, with every slot back.
+    assert greedy(scheduler, [CLEAN], [4]) == [greedy(scheduler, [CLEAN], [4])[0]]
+    assert scheduler.free_kv_tokens() == scheduler.allocator.size
+    too_long = greedy(scheduler, [CLEAN * 15], [4])[0]
+    assert too_long == [] and scheduler.send_to_detokenizer.finish_reasons["r0"]["type"] == "abort"
