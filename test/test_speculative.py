@@ -162,6 +162,44 @@ def test_perfect_nextn_accepts_every_draft(tmp_path, chain):
     assert ids == _hf_greedy(target, PROMPTS, MAX_NEW)
 
 
+PENALTIES = {"frequency_penalty": 0.6, "presence_penalty": 0.4, "repetition_penalty": 1.3}
+
+
+@pytest.fixture(scope="module")
+def cycling_llama() -> tuple[str, str, list[list[int]]]:
+    """A perfect pair (seed 3) whose penalty-free greedy map has short cycles, and prompts whose
+    greedy continuation reaches one two fresh tokens later: a verify path then holds a token
+    twice, which only the path's own penalties reject."""
+    import tempfile
+
+    target, head = make_perfect_llama_pair(tempfile.mkdtemp(prefix="cycling_llama"), seed=3)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        nxt = model(torch.arange(model.config.vocab_size).view(-1, 1)).logits[:, 0].argmax(dim=-1).tolist()
+    cyclic = {t for t in range(len(nxt)) if nxt[t] == t or nxt[nxt[t]] == t}
+    starts = [z for z in range(len(nxt)) if z not in cyclic and nxt[z] not in cyclic and nxt[nxt[z]] in cyclic]
+    assert len(starts) >= 2
+    return target, head, [[5, 17, z] for z in starts[:3]]
+
+
+@pytest.mark.parametrize(
+    "spec_args",
+    [
+        pytest.param({"speculative_num_steps": 5, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 6}, id="chain"),
+        pytest.param(TREE, id="tree"),
+        pytest.param({**CHAIN, "tp_size": 2, "dp_size": 2, "enable_dp_attention": True}, id="chain-dp-attention"),
+    ],
+)
+def test_greedy_with_penalties_equals_plain(cycling_llama, spec_args):
+    """The perfect draft proposes the penalty-free cycle; each tree node's penalties count the
+    tokens on its own path, so the target rejects a repeat exactly where the plain run does."""
+    target, head, prompts = cycling_llama
+    requests = [(p, {"max_new_tokens": 16, "ignore_eos": True, **PENALTIES}) for p in prompts]
+    expected = _summary(_run(target, requests))
+    outs = _run(target, requests, speculative_algorithm="EAGLE", speculative_draft_model_path=head, **spec_args)
+    assert _summary(outs) == expected
+
+
 def test_tree_sampling_keeps_target_distribution(perfect_llama):
     """The target of the perfect pair predicts from the current token alone, so the law of
     the k-th output token is a product of per-token next-token distributions q."""

@@ -188,6 +188,17 @@ def verify_outcome(
     )
 
 
+def path_token_counts(tree: DraftTree, vocab_size: int) -> torch.Tensor:
+    """[bs * n, vocab_size]: how often each token lies on node v's path, v included and the
+    root not (the root is the request's newest output token, already in its history). Node v's
+    penalties count these with the history: its logits continue that path."""
+    bs, n = tree.mask.shape[:2]
+    on_path = tree.mask[:, :, 1:].float()  # [bs, n, n - 1]: node c (>= 1) is v or an ancestor
+    counts = torch.zeros((bs, n, vocab_size), dtype=torch.float32, device=tree.mask.device)
+    counts.scatter_add_(2, tree.tokens.unsqueeze(1).expand(-1, n, -1), on_path)
+    return counts.flatten(0, 1)
+
+
 def non_finite_requests(logits: torch.Tensor, batch_size: int) -> torch.Tensor:
     """[bs] bool: whether any verify logit of request b (its rows b*n .. b*n+n-1) is not finite."""
     return (~torch.isfinite(logits).view(batch_size, -1)).any(dim=1)

@@ -52,6 +52,7 @@ from sglang.srt.speculative.eagle_utils import (
     VerifyOutcome,
     greedy_accept,
     non_finite_requests,
+    path_token_counts,
     sample_acceptance,
     verify_outcome,
 )
@@ -336,13 +337,15 @@ class EAGLEWorker:
         so that sampling stays valid."""
         if non_finite is not None:
             logits = logits.masked_fill(non_finite.repeat_interleave(self.num_draft).view(-1, 1), 0.0)
-        info = SamplingBatchInfo.from_requests(  # penalties see the tokens generated before this cycle
+        info = SamplingBatchInfo.from_requests(  # one row per tree node
             [r.sampling_params for r in reqs for _ in range(self.num_draft)],
             [(r.origin_input_ids, r.output_ids) for r in reqs for _ in range(self.num_draft)],
             [None] * (len(reqs) * self.num_draft),
             logits.shape[-1],
             self.device,
         )
+        if info.output_counts is not None:  # a node's penalties see the tokens before the cycle and on its path
+            info.count_more_outputs(path_token_counts(tree, logits.shape[-1]))
         logits = info.apply_penalties(logits)
         if info.all_greedy:
             target_tokens = greedy_tokens(logits).view(len(reqs), self.num_draft)
