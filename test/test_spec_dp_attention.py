@@ -364,3 +364,34 @@ def test_one_dp_rank_greedy_the_other_sampling(deepseek, deepseek_reference, spe
     run = SCENARIOS[0]
     assert results[0] == {rid: deepseek_reference[rid] for *_, rid, _, _ in run}
     assert {rid: len(ids) for rid, ids in results[1].items()} == {rid: n for *_, rid, _, n in run}
+
+
+def _attn_tp_sampling_main(rank: int, server_args: ServerArgs, port_args: PortArgs, results) -> None:
+    torch.set_num_threads(1)
+    scheduler, _ = _start_scheduler(rank, server_args, port_args)
+    torch.manual_seed(100)
+    if rank == 1:  # the ranks' tree walks draw different uniforms (their other draws agree)
+        own = torch.Generator().manual_seed(7)
+        scheduler.spec_worker._uniforms = lambda reqs, n: torch.rand((len(reqs), n), generator=own)
+    run = SCENARIOS[0]
+    for _, _, rid, prompt, max_new in run:
+        params = SamplingParams(max_new_tokens=max_new, temperature=1.0, ignore_eos=True)
+        scheduler.handle_message(TokenizedGenerateReqInput(rid, None, prompt, params))
+    finished = scheduler.send_to_detokenizer.finished
+    for _ in range(10_000):
+        scheduler.run_iteration()
+        if len(finished) == len(run) and not scheduler.has_work():
+            break
+    results[rank] = dict(finished)
+
+
+@pytest.mark.timeout(300)
+def test_attention_tp_ranks_keep_rank_0s_sampled_acceptance(deepseek):
+    """--tp 2: both ranks hold the same requests and walk the tree with their own random
+    numbers; they keep attention-TP rank 0's outcome, so their tokens (and KV) agree."""
+    server_args = ServerArgs(
+        model_path=deepseek, device="cpu", tp_size=2, max_running_requests=4, speculative_algorithm="NEXTN", **TREE
+    )
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_attn_tp_sampling_main, args=(server_args, PortArgs.init_new(server_args), results), nprocs=2)
+    assert results[0] == results[1] and len(results[0]) == len(SCENARIOS[0])

@@ -188,6 +188,16 @@ def verify_outcome(
     )
 
 
+def agree_on_acceptance(acceptance: Acceptance, group, src: int) -> Acceptance:
+    """The acceptance of global rank `src` on every rank of `group` (attention TP: its ranks
+    sample with their own random numbers; one broadcast of a few ints per request)."""
+    accept_len, nodes, emitted = acceptance.as_tuple()
+    packed = torch.cat([accept_len.view(-1, 1), nodes, emitted], dim=1).contiguous()
+    torch.distributed.broadcast(packed, src=src, group=group)
+    width = nodes.shape[1]
+    return Acceptance(packed[:, 0].contiguous(), packed[:, 1 : 1 + width].contiguous(), packed[:, 1 + width :].contiguous())
+
+
 def path_token_counts(tree: DraftTree, vocab_size: int) -> torch.Tensor:
     """[bs * n, vocab_size]: how often each token lies on node v's path, v included and the
     root not (the root is the request's newest output token, already in its history). Node v's

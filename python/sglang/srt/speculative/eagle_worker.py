@@ -37,6 +37,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.parallel_state import get_attn_tp_group, get_attn_tp_size
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
 from sglang.srt.layers.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo, greedy_tokens
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -50,6 +51,7 @@ from sglang.srt.speculative.eagle_utils import (
     Acceptance,
     DraftTree,
     VerifyOutcome,
+    agree_on_acceptance,
     greedy_accept,
     non_finite_requests,
     path_token_counts,
@@ -360,7 +362,12 @@ class EAGLEWorker:
         draw = partial(Sampler._draw, generators=generators if any(generators) else None)
         probs = Sampler.filtered_probs(logits, info)
         uniforms = self._uniforms(reqs, self.num_draft)
-        return sample_acceptance(probs, tree, node_tokens, uniforms, draw, self.sizes.draft_extend_rows)
+        acceptance = sample_acceptance(probs, tree, node_tokens, uniforms, draw, self.sizes.draft_extend_rows)
+        group = get_attn_tp_group()
+        if group is None or get_attn_tp_size() == 1:
+            return acceptance
+        # Attention-TP ranks hold the same requests: they keep attention-TP rank 0's outcome.
+        return agree_on_acceptance(acceptance, group, torch.distributed.get_global_rank(group, 0))
 
     def _uniforms(self, reqs: list[Req], n: int) -> torch.Tensor:
         u = torch.rand((len(reqs), n), device=self.device)
