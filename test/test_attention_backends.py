@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 
@@ -14,7 +13,6 @@ def test_torch_native_by_name():
     assert isinstance(create_attention_backend("torch_native"), TorchNativeAttnBackend)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_triton_by_name():
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 

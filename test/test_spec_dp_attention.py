@@ -296,3 +296,102 @@ def test_http_staggered_arrivals_and_per_rank_accept_length(deepseek, deepseek_r
         assert re.search(r"DP attention gathered buffer: \d+ rows x \d+ hidden = \d+ bytes", log)
     finally:
         kill_server(server)
+
+
+# ---- ranks that differ: memory, greedy against sampling ------------------------------------
+
+
+def _uneven_memory_main(rank: int, server_args: ServerArgs, port_args: PortArgs, results) -> None:
+    """Rank 1 has a quarter of rank 0's KV pool, so its memory-derived running-request cap is smaller."""
+    torch.set_num_threads(1)
+    profile = ModelRunner._profile_max_num_tokens
+
+    def smaller_on_rank_1(runner: ModelRunner, shared) -> int:
+        tokens = profile(runner, shared)
+        return tokens if shared is not None or rank == 0 else tokens // 4
+
+    with mock.patch.object(ModelRunner, "_profile_max_num_tokens", smaller_on_rank_1):
+        scheduler, _ = _start_scheduler(rank, server_args, port_args)
+    results[rank] = (scheduler.max_running_requests, tuple(scheduler.runner.gathered_buffer.shape))
+
+
+@pytest.mark.timeout(300)
+def test_ranks_with_unequal_memory_agree_on_the_gathered_buffer(deepseek):
+    """max_running_requests (memory-derived when not given) sizes each rank's gathered buffer;
+    it is agreed at startup, so no rank's buffer is smaller than the others' batches need."""
+    server_args = ServerArgs(
+        model_path=deepseek, device="cpu", tp_size=2, dp_size=2, enable_dp_attention=True,
+        chunked_prefill_size=CHUNK, max_total_tokens=200, speculative_algorithm="NEXTN", **CHAIN,
+    )
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_uneven_memory_main, args=(server_args, PortArgs.init_new(server_args), results), nprocs=2)
+    assert results[0] == results[1]
+    assert results[0][0] == 200 // 4 // 2  # rank 1's cap
+
+
+def _greedy_and_sampling_main(rank: int, server_args: ServerArgs, port_args: PortArgs, refs: dict, results) -> None:
+    torch.set_num_threads(1)
+    scheduler, _ = _start_scheduler(rank, server_args, port_args)
+    run = SCENARIOS[0]
+    temperature = 0.0 if rank == 0 else 0.9  # rank 0 greedy, rank 1 samples (same prompts)
+    for _, _, rid, prompt, max_new in run:
+        params = SamplingParams(max_new_tokens=max_new, temperature=temperature, ignore_eos=True)
+        scheduler.handle_message(TokenizedGenerateReqInput(rid, None, prompt, params))
+    finished = scheduler.send_to_detokenizer.finished
+    for _ in range(10_000):
+        scheduler.run_iteration()
+        if len(finished) == len(run) and scheduler.globally_idle:
+            break
+    assert scheduler.free_kv_tokens() == scheduler.allocator.size
+    results[rank] = dict(finished)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("spec", [CHAIN, TREE], ids=["chain", "tree"])
+def test_one_dp_rank_greedy_the_other_sampling(deepseek, deepseek_reference, spec):
+    """The greedy rank runs the whole cycle as one program while the sampling rank runs it
+    sub-forward by sub-forward with the walk on the host: the same collectives on both
+    (--debug-collectives checks them), and the greedy rank's tokens equal the reference."""
+    server_args = ServerArgs(
+        model_path=deepseek, device="cpu", tp_size=2, dp_size=2, enable_dp_attention=True,
+        chunked_prefill_size=CHUNK, max_running_requests=4, debug_collectives=True,
+        speculative_algorithm="NEXTN", **spec,
+    )
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(
+        _greedy_and_sampling_main, args=(server_args, PortArgs.init_new(server_args), deepseek_reference, results), nprocs=2
+    )
+    run = SCENARIOS[0]
+    assert results[0] == {rid: deepseek_reference[rid] for *_, rid, _, _ in run}
+    assert {rid: len(ids) for rid, ids in results[1].items()} == {rid: n for *_, rid, _, n in run}
+
+
+def _attn_tp_sampling_main(rank: int, server_args: ServerArgs, port_args: PortArgs, results) -> None:
+    torch.set_num_threads(1)
+    scheduler, _ = _start_scheduler(rank, server_args, port_args)
+    torch.manual_seed(100)
+    if rank == 1:  # the ranks' tree walks draw different uniforms (their other draws agree)
+        own = torch.Generator().manual_seed(7)
+        scheduler.spec_worker._uniforms = lambda reqs, n: torch.rand((len(reqs), n), generator=own)
+    run = SCENARIOS[0]
+    for _, _, rid, prompt, max_new in run:
+        params = SamplingParams(max_new_tokens=max_new, temperature=1.0, ignore_eos=True)
+        scheduler.handle_message(TokenizedGenerateReqInput(rid, None, prompt, params))
+    finished = scheduler.send_to_detokenizer.finished
+    for _ in range(10_000):
+        scheduler.run_iteration()
+        if len(finished) == len(run) and not scheduler.has_work():
+            break
+    results[rank] = dict(finished)
+
+
+@pytest.mark.timeout(300)
+def test_attention_tp_ranks_keep_rank_0s_sampled_acceptance(deepseek):
+    """--tp 2: both ranks hold the same requests and walk the tree with their own random
+    numbers; they keep attention-TP rank 0's outcome, so their tokens (and KV) agree."""
+    server_args = ServerArgs(
+        model_path=deepseek, device="cpu", tp_size=2, max_running_requests=4, speculative_algorithm="NEXTN", **TREE
+    )
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_attn_tp_sampling_main, args=(server_args, PortArgs.init_new(server_args), results), nprocs=2)
+    assert results[0] == results[1] and len(results[0]) == len(SCENARIOS[0])

@@ -1,6 +1,7 @@
 """The device-side verify tree and greedy acceptance against plain-Python references, and the
 verify program's greedy outcome against the eager path's, the draft's guesses and the draft
-steps' KV columns."""
+steps' KV columns; tree sampling against the target's law with an imperfect draft, and on
+rows whose children cover the whole support."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.sampler import Sampler, SamplingBatchInfo
 from sglang.srt.model_executor.cuda_graph_runner import PAD_KV_SLOT
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.speculative.draft_loop import DraftLoop
@@ -19,13 +21,16 @@ from sglang.srt.speculative.eagle_utils import (
     chain_tree,
     greedy_accept,
     greedy_accept_chain,
+    sample_acceptance,
     select_step_inputs,
     verify_outcome,
     walk_tree,
 )
 from sglang.srt.speculative.draft_extend_program import DraftExtendProgram
+from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.speculative.spec_info import top_guesses
 from sglang.srt.speculative.verify_program import VerifyProgram
+from sglang.test.chi_square import chi_square, fits
 
 
 def _random_candidates(bs: int, steps: int, topk: int, vocab: int, gen: torch.Generator):
@@ -93,7 +98,8 @@ def test_device_tree_and_greedy_acceptance_match_references(steps, topk, n):
         assert tree.mask[b].tolist() == ref_mask
         row = node_tokens[b].tolist()
         child_prob = [float(target[b, ref_parents[c]].item() == row[c]) for c in range(n)]
-        path, _ = walk_tree(ref_parents, child_prob, [0.0] * n)
+        residual = [1.0 - sum(child_prob[c] for c in range(1, n) if ref_parents[c] == v) for v in range(n)]
+        path = walk_tree(ref_parents, child_prob, residual, [0.0] * n)
         a = len(path)
         lengths.add(a)
         assert acc.accept_len[b].item() == a
@@ -275,3 +281,80 @@ def test_cycle_sub_forward_batches_are_dense(tmp_path, topk, n):
     modes = {mode for mode, bs, *_ in seen if bs == 1}
     assert {ForwardMode.DRAFT_DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND} <= modes
     assert all(s[2] for s in seen), [s for s in seen if not s[2]]
+
+
+def _multinomial(probs: torch.Tensor) -> torch.Tensor:
+    return torch.multinomial(probs, 1).squeeze(1)
+
+
+def _repeated_tree(parents: list[int], tokens: list[int], copies: int) -> tuple[DraftTree, torch.Tensor]:
+    """`copies` requests with the same verify tree (node tokens include the root's)."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for v in range(1, n):
+        mask[v] |= mask[parents[v]]
+    node_tokens = torch.tensor(tokens).expand(copies, -1)
+    tree = DraftTree.from_mask(node_tokens, mask.expand(copies, -1, -1))
+    return tree, node_tokens
+
+
+def test_tree_walk_takes_a_child_where_the_children_cover_the_support():
+    """top_k 2 rows whose two tokens are the root's children: with u close to 1 the float32
+    shares of the children may sum below u (rejecting both left a 0 / 0 residual)."""
+    bs, vocab = 2000, 16
+    logits = torch.randn(bs, vocab, generator=torch.Generator().manual_seed(0))
+    info = SamplingBatchInfo.from_requests([SamplingParams(top_k=2)] * bs, [([1], [])] * bs, [None] * bs, vocab, "cpu")
+    top = Sampler.filtered_probs(logits, info).topk(2, dim=-1).indices
+    # Node 0's row is the row under test; the children's rows (leaves) are uniform.
+    probs = torch.full((bs, 3, vocab), 1.0 / vocab)
+    probs[:, 0] = Sampler.filtered_probs(logits, info)
+    tree, _ = _repeated_tree([0, 0, 0], [0, 0, 0], bs)
+    node_tokens = torch.cat([torch.zeros(bs, 1, dtype=torch.long), top], dim=1)
+    uniforms = torch.full((bs, 3), 1.0 - 2.0**-24)  # the largest float32 below 1 (torch.rand's maximum)
+    acc = sample_acceptance(probs.flatten(0, 1), tree, node_tokens, uniforms, _multinomial, width=2)
+    assert acc.accept_len.tolist() == [1] * bs
+    assert (acc.emitted[:, 0] == top[:, 1]).all()  # u past the first child's share: the second
+
+
+# Per node of each tree: its parent; the draft's tokens are ranked by an imperfect draft.
+_SAMPLING_TREES = {"chain": [0, 0, 1, 2], "tree": [0, 0, 0, 1, 1, 2, 3, 3]}
+
+
+@pytest.mark.parametrize("shape", sorted(_SAMPLING_TREES))
+def test_tree_sampling_has_the_target_law_with_an_imperfect_draft(shape):
+    """Every node v's target law p_v is fixed (its path's law); at any node the walk reaches,
+    the next emitted token must follow p_v, whether it is one of v's children (accepted) or
+    the bonus drawn from p_v without them (every child rejected). Children's tokens are one
+    draw each from their parent's law (an imperfect draft), so both outcomes occur often."""
+    parents, vocab, copies = _SAMPLING_TREES[shape], 6, 20000
+    n = len(parents)
+    gen = torch.Generator().manual_seed(7)
+    p = torch.softmax(torch.randn(n, vocab, generator=gen) * 1.5, dim=-1)
+    tokens = [0]
+    for v in range(1, n):  # drawn from the parent's law, never repeating a sibling's token
+        law = p[parents[v]].clone()
+        law[[tokens[c] for c in range(1, v) if parents[c] == parents[v]]] = 0.0
+        tokens.append(int(torch.multinomial(law, 1, generator=gen)))
+    tree, node_tokens = _repeated_tree(parents, tokens, copies)
+    torch.manual_seed(11)
+    width = max(int(d) for d in tree.depths[0]) + 1
+    acc = sample_acceptance(
+        p.repeat(copies, 1), tree, node_tokens, torch.rand(copies, n), _multinomial, width
+    )
+    accept_len, emitted = acc.accept_len.tolist(), acc.emitted.tolist()
+    assert {0, width - 1} <= set(accept_len)  # whole paths rejected and accepted
+    path_of = {(): 0}  # emitted prefix -> the node the walk is at
+    for v in range(1, n):
+        prefix = next(k for k, node in path_of.items() if node == parents[v])
+        path_of[prefix + (tokens[v],)] = v
+    checked = 0
+    for prefix, v in path_of.items():
+        counts: dict[int, int] = {}
+        for a, row in zip(accept_len, emitted):
+            if len(prefix) <= a and tuple(row[: len(prefix)]) == prefix:
+                counts[row[len(prefix)]] = counts.get(row[len(prefix)], 0) + 1
+        total = sum(counts.values())
+        if total >= 1000:
+            checked += 1
+            assert fits(counts, p[v].double(), total), (shape, v, chi_square(counts, p[v].double(), total))
+    assert checked >= 3

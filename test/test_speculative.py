@@ -10,14 +10,13 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import sglang as sgl
 from sglang.srt.server_args import ServerArgs
+from sglang.test.chi_square import chi_square, fits
 from sglang.test.spec_models import make_eagle_head, make_perfect_deepseek_v3, make_perfect_llama_pair
 from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
 from sglang.test.tiny_models import make_tiny_llama
@@ -163,23 +162,42 @@ def test_perfect_nextn_accepts_every_draft(tmp_path, chain):
     assert ids == _hf_greedy(target, PROMPTS, MAX_NEW)
 
 
-def _chi_square_critical(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
-    h = 2.0 / (9.0 * df)
-    return df * (1.0 - h + z * math.sqrt(h)) ** 3
+PENALTIES = {"frequency_penalty": 0.6, "presence_penalty": 0.4, "repetition_penalty": 1.3}
 
 
-def _chi_square(counts: dict[int, int], expected: torch.Tensor, n: int) -> tuple[float, int]:
-    """Statistic and degrees of freedom; cells expecting fewer than 5 samples are pooled."""
-    big = [t for t in range(expected.numel()) if expected[t] * n >= 5]
-    cells = [(counts.get(t, 0), float(expected[t]) * n) for t in big]
-    rest_obs = n - sum(o for o, _ in cells)
-    rest_exp = n - sum(e for _, e in cells)
-    if rest_exp > 1e-9:
-        cells.append((rest_obs, rest_exp))
-    else:
-        assert rest_obs == 0, "tokens outside the target's support"
-    return sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
+@pytest.fixture(scope="module")
+def cycling_llama() -> tuple[str, str, list[list[int]]]:
+    """A perfect pair (seed 3) whose penalty-free greedy map has short cycles, and prompts whose
+    greedy continuation reaches one two fresh tokens later: a verify path then holds a token
+    twice, which only the path's own penalties reject."""
+    import tempfile
+
+    target, head = make_perfect_llama_pair(tempfile.mkdtemp(prefix="cycling_llama"), seed=3)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        nxt = model(torch.arange(model.config.vocab_size).view(-1, 1)).logits[:, 0].argmax(dim=-1).tolist()
+    cyclic = {t for t in range(len(nxt)) if nxt[t] == t or nxt[nxt[t]] == t}
+    starts = [z for z in range(len(nxt)) if z not in cyclic and nxt[z] not in cyclic and nxt[nxt[z]] in cyclic]
+    assert len(starts) >= 2
+    return target, head, [[5, 17, z] for z in starts[:3]]
+
+
+@pytest.mark.parametrize(
+    "spec_args",
+    [
+        pytest.param({"speculative_num_steps": 5, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 6}, id="chain"),
+        pytest.param(TREE, id="tree"),
+        pytest.param({**CHAIN, "tp_size": 2, "dp_size": 2, "enable_dp_attention": True}, id="chain-dp-attention"),
+    ],
+)
+def test_greedy_with_penalties_equals_plain(cycling_llama, spec_args):
+    """The perfect draft proposes the penalty-free cycle; each tree node's penalties count the
+    tokens on its own path, so the target rejects a repeat exactly where the plain run does."""
+    target, head, prompts = cycling_llama
+    requests = [(p, {"max_new_tokens": 16, "ignore_eos": True, **PENALTIES}) for p in prompts]
+    expected = _summary(_run(target, requests))
+    outs = _run(target, requests, speculative_algorithm="EAGLE", speculative_draft_model_path=head, **spec_args)
+    assert _summary(outs) == expected
 
 
 def test_tree_sampling_keeps_target_distribution(perfect_llama):
@@ -209,8 +227,7 @@ def test_tree_sampling_keeps_target_distribution(perfect_llama):
         counts: dict[int, int] = {}
         for o in outs:
             counts[o["output_ids"][k]] = counts.get(o["output_ids"][k], 0) + 1
-        stat, df = _chi_square(counts, law, num)
-        assert stat < _chi_square_critical(df), (k, stat, df)
+        assert fits(counts, law, num), (k, chi_square(counts, law, num))
 
 
 def test_eagle_tree_under_tp2_equals_plain(llama_pair, llama_baseline):

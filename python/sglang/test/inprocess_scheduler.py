@@ -14,6 +14,7 @@ class DetokenizerStub:
 
     def __init__(self) -> None:
         self.finished: dict[str, list[int]] = {}
+        self.finish_reasons: dict[str, dict] = {}
         self.partial: dict[str, list[int]] = {}
 
     def send_pyobj(self, msg) -> None:
@@ -22,6 +23,7 @@ class DetokenizerStub:
             assert offset == len(so_far), (rid, offset, len(so_far))
             if reason is not None:
                 self.finished[rid] = so_far + ids
+                self.finish_reasons[rid] = reason
             else:
                 self.partial[rid] = so_far + ids
 
@@ -39,12 +41,13 @@ def greedy(
     max_new: list[int],
     max_iterations: int = 10_000,
     return_logprob: bool = False,
+    **sampling: float,
 ) -> list[list[int]]:
     """Greedy output ids of every prompt (all submitted at once), run to completion. Under DP
     attention every rank calls it (with its own prompts, possibly none) and iterates until
-    all ranks are idle."""
+    all ranks are idle. `sampling`: further SamplingParams fields (penalties, temperature)."""
     for i, (prompt, n) in enumerate(zip(prompts, max_new)):
-        params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(**{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True, **sampling})
         scheduler.handle_message(TokenizedGenerateReqInput(f"r{i}", None, prompt, params, return_logprob=return_logprob))
     finished = scheduler.send_to_detokenizer.finished
     for _ in range(max_iterations):

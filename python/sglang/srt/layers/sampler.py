@@ -89,6 +89,12 @@ class SamplingBatchInfo:
             freq.view(-1, 1), pres.view(-1, 1), rep.view(-1, 1),
         )
 
+    def count_more_outputs(self, counts: torch.Tensor) -> None:
+        """Output tokens beyond each row's history ([B, V] counts; speculative verify: the
+        tokens on a tree node's path) count for the penalties as generated ones."""
+        self.output_counts = self.output_counts + counts
+        self.seen_mask = self.seen_mask | (counts > 0)
+
     def apply_penalties(self, logits: torch.Tensor) -> torch.Tensor:
         if self.output_counts is None:
             return logits

@@ -155,7 +155,8 @@ class Scheduler:
 
     @property
     def max_req_input_len(self) -> int:
-        return min(self.context_len - 1, self.allocator.size - 1)
+        """A prompt leaves room in the KV pool for its first decode step (a speculative cycle's slots)."""
+        return min(self.context_len - 1, self.allocator.size - self.worker.decode_kv_need_per_req())
 
     # ------------------------------------------------------------------ loop
     def event_loop(self) -> None:
@@ -348,6 +349,13 @@ class Scheduler:
         need = self.worker.decode_kv_need_per_req()
         while self.free_kv_tokens() < need * len(self.running) and len(self.running) > 1:
             self.retract(self.running[-1])
+        lone = self.running[0] if self.running else None
+        if lone is not None and not lone.in_flight and self.free_kv_tokens() < need:
+            # Nothing left to retract: the one request has outgrown the KV pool.
+            lone.finished_reason = {"type": "length", "length": len(lone.output_ids)}
+            self.finish(lone)
+            self.stream_output([lone])
+            return None
         # A request whose step in flight may be its last (by length) waits for that step.
         reqs = [r for r in self.running if not (r.in_flight and self.may_end_by_length(r))]
         if not reqs:

@@ -171,7 +171,12 @@ class ModelRunner:
         if self.server_args.max_running_requests is not None:
             return self.server_args.max_running_requests
         cap = 4096 if self.server_args.device == "cuda" else 128
-        return max(1, min(cap, self.max_total_num_tokens // 2))
+        own = max(1, min(cap, self.max_total_num_tokens // 2))
+        if self.server_args.enable_dp_attention:
+            # Every rank sizes the gathered buffer and its CUDA graphs from it: the cap, which
+            # follows each rank's free memory, is agreed at its minimum (one startup collective).
+            return min_over_ranks(own)
+        return own
 
     def _make_kv_pool(self) -> KVPool:
         cfg = self.model_config
@@ -275,12 +280,9 @@ class ModelRunner:
         if not modes:
             return None
         args = self.server_args
-        max_running = self.max_running_requests
-        if args.enable_dp_attention:
-            # Every rank must capture the same sizes (the replayed graph is chosen from the plan):
-            # the running-request cap, which follows each rank's free memory, is agreed at its minimum.
-            max_running = min_over_ranks(max_running)
-        sizes = capture_batch_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, max_running)
+        # Under DP attention every rank captures the same sizes (the replayed graph is chosen
+        # from the plan): max_running_requests is agreed across ranks.
+        sizes = capture_batch_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, self.max_running_requests)
         if not sizes:
             logger.info("CUDA graphs off: no batch size to capture")
             return None

@@ -17,10 +17,12 @@ reads), so they run inside CUDA graphs and a greedy cycle reads the device once,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from sglang.srt.mem_cache.memory_pool import DUMMY_KV_SLOT
+from sglang.srt.utils.transfer import to_host, upload
 
 
 def select_step_inputs(
@@ -186,33 +188,101 @@ def verify_outcome(
     )
 
 
+def agree_on_acceptance(acceptance: Acceptance, group, src: int) -> Acceptance:
+    """The acceptance of global rank `src` on every rank of `group` (attention TP: its ranks
+    sample with their own random numbers; one broadcast of a few ints per request)."""
+    accept_len, nodes, emitted = acceptance.as_tuple()
+    packed = torch.cat([accept_len.view(-1, 1), nodes, emitted], dim=1).contiguous()
+    torch.distributed.broadcast(packed, src=src, group=group)
+    width = nodes.shape[1]
+    return Acceptance(packed[:, 0].contiguous(), packed[:, 1 : 1 + width].contiguous(), packed[:, 1 + width :].contiguous())
+
+
+def path_token_counts(tree: DraftTree, vocab_size: int) -> torch.Tensor:
+    """[bs * n, vocab_size]: how often each token lies on node v's path, v included and the
+    root not (the root is the request's newest output token, already in its history). Node v's
+    penalties count these with the history: its logits continue that path."""
+    bs, n = tree.mask.shape[:2]
+    on_path = tree.mask[:, :, 1:].float()  # [bs, n, n - 1]: node c (>= 1) is v or an ancestor
+    counts = torch.zeros((bs, n, vocab_size), dtype=torch.float32, device=tree.mask.device)
+    counts.scatter_add_(2, tree.tokens.unsqueeze(1).expand(-1, n, -1), on_path)
+    return counts.flatten(0, 1)
+
+
 def non_finite_requests(logits: torch.Tensor, batch_size: int) -> torch.Tensor:
     """[bs] bool: whether any verify logit of request b (its rows b*n .. b*n+n-1) is not finite."""
     return (~torch.isfinite(logits).view(batch_size, -1)).any(dim=1)
 
 
-def walk_tree(parents: list[int], child_prob: list[float], uniforms: list[float]) -> tuple[list[int], list[int]]:
+def walk_tree(
+    parents: list[int], child_prob: list[float], residual_mass: list[float], uniforms: list[float]
+) -> list[int]:
     """Tree speculative sampling with deterministic draft proposals (lossless), on the host.
 
-    At the current node with target distribution p, children are tried in order: child c
-    (token x) is accepted with probability p(x) / (mass not yet rejected at this node);
-    otherwise x is removed from p. child_prob[c] is p(token of c) at c's parent. Greedy
-    verification is the case p = one-hot(argmax) with uniforms all 0.
-    Returns (accepted nodes after the root, nodes rejected at the final node).
+    At node v with target distribution p, one draw u = uniforms[v] picks among v's children
+    (in order) by their shares child_prob[c] = p(token of c) of the mass child shares +
+    residual_mass[v] (p's mass outside the children's tokens); past the children the walk
+    stops at v and the bonus token comes from that residual. This is the law of accepting
+    each child with probability p(x) / (mass not yet rejected) in turn, without its 0 / 0:
+    where the children cover p's support (residual_mass[v] == 0) rounding cannot stop the
+    walk, the last child with positive mass is taken. Greedy verification is the case
+    p = one-hot(argmax) with uniforms all 0.
+    Returns the accepted nodes after the root; the walk stops at the last one (or the root).
     """
     children: list[list[int]] = [[] for _ in parents]
     for node in range(1, len(parents)):
         children[parents[node]].append(node)
     path, cur = [], 0
     while True:
-        rejected, rejected_mass = [], 0.0
-        for c in children[cur]:
-            remaining = 1.0 - rejected_mass
-            if remaining > 0 and uniforms[c] * remaining < child_prob[c]:
+        kids = children[cur]
+        threshold = uniforms[cur] * (sum(child_prob[c] for c in kids) + residual_mass[cur])
+        cumulative, chosen = 0.0, None
+        for c in kids:
+            cumulative += child_prob[c]
+            if threshold < cumulative:
+                chosen = c
                 break
-            rejected.append(c)
-            rejected_mass += child_prob[c]
-        else:
-            return path, rejected
-        path.append(c)
-        cur = c
+        if chosen is None and not residual_mass[cur] > 0:
+            chosen = next((c for c in reversed(kids) if child_prob[c] > 0), None)
+        if chosen is None:
+            return path
+        path.append(chosen)
+        cur = chosen
+
+
+def sample_acceptance(
+    probs: torch.Tensor,
+    tree: DraftTree,
+    node_tokens: torch.Tensor,
+    uniforms: torch.Tensor,
+    draw: Callable[[torch.Tensor], torch.Tensor],
+    width: int,
+) -> Acceptance:
+    """Lossless tree sampling of a batch: walk_tree per request on the host, then the bonus
+    token at the node where each walk stopped, drawn from p without that node's children.
+
+    probs: [bs * n, V] target probabilities at each node (after penalties and filters);
+    node_tokens: [bs, n]; uniforms: [bs, n] one draw per node; draw: samples one token per
+    row of a [rows, V] probability tensor (the requests' generators). Two reads of the device.
+    """
+    bs, n = node_tokens.shape
+    parent_rows = (torch.arange(bs, device=probs.device).view(-1, 1) * n + tree.parents).flatten()
+    child_prob = probs[parent_rows, node_tokens.flatten()].view(bs, n)
+    is_child = torch.zeros_like(probs, dtype=torch.bool)
+    is_child[parent_rows.view(bs, n)[:, 1:].flatten(), node_tokens[:, 1:].flatten()] = True
+    residual = probs.masked_fill(is_child, 0.0)  # exactly 0 where the children cover the support
+    residual_mass = residual.sum(dim=-1).view(bs, n)
+    host = to_host(child_prob, residual_mass, uniforms, tree.parents, node_tokens)
+    child_prob_h, residual_mass_h, uniforms_h, parents, tokens = host
+    paths = [walk_tree(parents[b], child_prob_h[b], residual_mass_h[b], uniforms_h[b]) for b in range(bs)]
+    (finals,) = upload([[b * n + (p[-1] if p else 0) for b, p in enumerate(paths)]], probs.device)
+    stop = residual[finals]  # positive mass: a walk stops only where its residual is positive
+    (bonus,) = to_host(draw(stop / stop.sum(dim=-1, keepdim=True)))
+    nodes: list[int] = []
+    emitted: list[int] = []
+    for b, path in enumerate(paths):
+        pad = width - len(path) - 1
+        nodes += [0] + path + [path[-1] if path else 0] * pad
+        emitted += [tokens[b][c] for c in path] + [bonus[b]] + [0] * pad
+    accept_len, nodes_t, emitted_t = upload([[len(p) for p in paths], nodes, emitted], probs.device)
+    return Acceptance(accept_len, nodes_t.view(bs, width), emitted_t.view(bs, width))

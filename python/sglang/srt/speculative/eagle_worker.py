@@ -37,6 +37,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.parallel_state import get_attn_tp_group, get_attn_tp_size
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
 from sglang.srt.layers.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo, greedy_tokens
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -50,14 +51,16 @@ from sglang.srt.speculative.eagle_utils import (
     Acceptance,
     DraftTree,
     VerifyOutcome,
+    agree_on_acceptance,
     greedy_accept,
     non_finite_requests,
+    path_token_counts,
+    sample_acceptance,
     verify_outcome,
-    walk_tree,
 )
 from sglang.srt.speculative.spec_info import RequestStates, SpecInput, top_guesses
 from sglang.srt.speculative.spec_plan import SpecIterationPlan, SpecSizes, SubForward
-from sglang.srt.utils.transfer import HostCopy, to_host, upload
+from sglang.srt.utils.transfer import HostCopy, upload
 
 logger = logging.getLogger(__name__)
 
@@ -256,10 +259,12 @@ class EAGLEWorker:
         result = GenerationResult([[] for _ in batch.reqs], list(batch.extend_lens))
         sampled = self.target.sample_rows(batch.reqs, ready, out, result) if ready else None
         # Draft sees every chunk: ids shifted left by one, then the next token (prompt or sampled).
+        # A NaN_TOKEN_ID (--enable-nan-detection: non-finite logits) is no embedding row: the
+        # draft reads token 0 in its place; the scheduler finishes that request with its error.
         ids: list[int] = []
         for i, req in enumerate(batch.reqs):
             start, end = batch.prefix_lens[i], batch.seq_lens[i]
-            nxt = req.all_ids[end] if end < req.seq_len else result.next_token_ids[i][0]
+            nxt = req.all_ids[end] if end < req.seq_len else max(result.next_token_ids[i][0], 0)
             ids += req.all_ids[start + 1 : end] + [nxt]
         draft_fb = replace(
             fb,
@@ -273,7 +278,7 @@ class EAGLEWorker:
             reqs = [batch.reqs[i] for i in ready]
             req_rows, kv_lens, out_rows = upload([[r.req_pool_idx for r in reqs], [r.seq_len for r in reqs], ready], self.device)
             self.states.kv_lens.index_copy_(0, req_rows, kv_lens)
-            self.states.last_tokens.index_copy_(0, req_rows, sampled.next_token_ids)
+            self.states.last_tokens.index_copy_(0, req_rows, sampled.next_token_ids.clamp(min=0))
             logits, hidden = draft_out.next_token_logits, draft_out.hidden_states
             if len(ready) < logits.shape[0]:  # else the rows are all rows, in order
                 logits, hidden = logits[out_rows], hidden[out_rows]
@@ -314,27 +319,35 @@ class EAGLEWorker:
     ) -> VerifyOutcome:
         """The outcome of a batch that samples or has penalties (from the verify logits; the
         greedy outcome otherwise), and what the host reads of the cycle into `reads`."""
+        non_finite = non_finite_requests(logits, len(reqs)) if self.detect_nan else None
         if not _greedy_without_penalties(reqs):
-            logits, acceptance = self.accept(reqs, tree, node_tokens, logits)
+            logits, acceptance = self.accept(reqs, tree, node_tokens, logits, non_finite)
             outcome = verify_outcome(acceptance, cycle.kv_len, cycle.slots[:, : self.num_draft], hidden)
         reads.append(outcome.host_reads)
-        if self.detect_nan:
-            reads.append(non_finite_requests(logits, len(reqs)))
+        if non_finite is not None:
+            reads.append(non_finite)
         if any(r.return_logprob for r in reqs):
             reads += self._logprobs(reqs, logits, outcome.acceptance)
         return outcome
 
     def accept(
-        self, reqs: list[Req], tree: DraftTree, node_tokens: torch.Tensor, logits: torch.Tensor
+        self, reqs: list[Req], tree: DraftTree, node_tokens: torch.Tensor, logits: torch.Tensor,
+        non_finite: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Acceptance]:
-        """The verify logits after penalties and what they accept (greedy, or sampled)."""
-        info = SamplingBatchInfo.from_requests(  # penalties see the tokens generated before this cycle
+        """The verify logits after penalties and what they accept (greedy, or sampled).
+        non_finite [bs]: requests whose logits are zeroed first (their outcome is discarded),
+        so that sampling stays valid."""
+        if non_finite is not None:
+            logits = logits.masked_fill(non_finite.repeat_interleave(self.num_draft).view(-1, 1), 0.0)
+        info = SamplingBatchInfo.from_requests(  # one row per tree node
             [r.sampling_params for r in reqs for _ in range(self.num_draft)],
             [(r.origin_input_ids, r.output_ids) for r in reqs for _ in range(self.num_draft)],
             [None] * (len(reqs) * self.num_draft),
             logits.shape[-1],
             self.device,
         )
+        if info.output_counts is not None:  # a node's penalties see the tokens before the cycle and on its path
+            info.count_more_outputs(path_token_counts(tree, logits.shape[-1]))
         logits = info.apply_penalties(logits)
         if info.all_greedy:
             target_tokens = greedy_tokens(logits).view(len(reqs), self.num_draft)
@@ -345,28 +358,16 @@ class EAGLEWorker:
         self, reqs: list[Req], tree: DraftTree, node_tokens: torch.Tensor, logits: torch.Tensor, info: SamplingBatchInfo
     ) -> Acceptance:
         """Lossless tree sampling, walked on the host (two reads of the device)."""
-        bs, n, width = len(reqs), self.num_draft, self.sizes.draft_extend_rows
-        probs = Sampler.filtered_probs(logits, info)
-        parent_rows = torch.arange(bs, device=self.device).view(-1, 1) * n + tree.parents
-        child_prob = probs[parent_rows.flatten(), node_tokens.flatten()].view(bs, n)
-        child_prob, uniforms, parents, tokens = to_host(child_prob, self._uniforms(reqs, n), tree.parents, node_tokens)
-        walks = [walk_tree(parents[b], child_prob[b], uniforms[b]) for b in range(bs)]
-        paths = [w[0] for w in walks]
-        finals = [b * n + (p[-1] if p else 0) for b, p in enumerate(paths)]
-        rejected = [(b, tokens[b][c]) for b, (_, cands) in enumerate(walks) for c in cands]
-        finals_t, rej_rows, rej_toks = upload([finals, [b for b, _ in rejected], [t for _, t in rejected]], self.device)
-        residual = probs[finals_t]  # a copy
-        residual[rej_rows, rej_toks] = 0.0
-        residual /= residual.sum(dim=-1, keepdim=True)
         generators = [self.target.generators.get(r.rid) for r in reqs]
-        (bonus,) = to_host(Sampler._draw(residual, generators if any(generators) else None))
-        nodes, emitted = [], []
-        for b, path in enumerate(paths):
-            pad = width - len(path) - 1
-            nodes.append([0] + path + [path[-1] if path else 0] * pad)
-            emitted.append([tokens[b][c] for c in path] + [bonus[b]] + [0] * pad)
-        accept_len, nodes_t, emitted_t = upload([[len(p) for p in paths], sum(nodes, []), sum(emitted, [])], self.device)
-        return Acceptance(accept_len, nodes_t.view(bs, width), emitted_t.view(bs, width))
+        draw = partial(Sampler._draw, generators=generators if any(generators) else None)
+        probs = Sampler.filtered_probs(logits, info)
+        uniforms = self._uniforms(reqs, self.num_draft)
+        acceptance = sample_acceptance(probs, tree, node_tokens, uniforms, draw, self.sizes.draft_extend_rows)
+        group = get_attn_tp_group()
+        if group is None or get_attn_tp_size() == 1:
+            return acceptance
+        # Attention-TP ranks hold the same requests: they keep attention-TP rank 0's outcome.
+        return agree_on_acceptance(acceptance, group, torch.distributed.get_global_rank(group, 0))
 
     def _uniforms(self, reqs: list[Req], n: int) -> torch.Tensor:
         u = torch.rand((len(reqs), n), device=self.device)
