@@ -135,15 +135,19 @@ def run_server(out: str, name: str, model: str, flags: list[str], body) -> None:
     emit(out, row)
 
 
-def check_exact(out: str, parallel: str, tiny: str, reference_server_flags: list[str], specs: list[str], modes: list[str]) -> None:
-    items = workload(vocab=256)
+def exact_reference(out: str, tiny: str, items: list) -> list:
+    """Greedy tokens of the single-rank run without speculation, eager."""
     reference: list = []
 
-    def ref_body(server: Server) -> dict:
+    def body(server: Server) -> dict:
         reference.extend(generate(server.url, items))
         return {"ok": True, "tokens": sum(map(len, reference))}
 
-    run_server(out, "exact reference: 1 rank, no speculation, eager", tiny, reference_server_flags, ref_body)
+    run_server(out, "exact reference: 1 rank, no speculation, eager", tiny, ["--disable-cuda-graph", "--mem-fraction-static", "0.2"], body)
+    return reference
+
+
+def check_exact(out: str, parallel: str, tiny: str, items: list, reference: list, specs: list[str], modes: list[str]) -> None:
     for spec in specs:
         for graphs in (mode == "graphs" for mode in modes):
             flags = [*PARALLEL[parallel], *SHARED, *SPECS[spec], *([] if graphs else ["--disable-cuda-graph"])]
@@ -259,9 +263,11 @@ def main() -> None:
     tmp = tempfile.mkdtemp()
     tiny = make_tiny_deepseek_v3(os.path.join(tmp, "dsv3"))
     perfect = make_perfect_deepseek_v3(os.path.join(tmp, "perfect")) if "perfect" in args.checks else ""
+    items = workload(vocab=256)
+    reference = exact_reference(args.out, tiny, items) if "exact" in args.checks else []
     for parallel in args.parallel:
         if "exact" in args.checks:
-            check_exact(args.out, parallel, tiny, ["--disable-cuda-graph", "--mem-fraction-static", "0.2"], args.specs, args.modes)
+            check_exact(args.out, parallel, tiny, items, reference, args.specs, args.modes)
         if "perfect" in args.checks:
             check_perfect(args.out, parallel, perfect)
         if "idle" in args.checks:
