@@ -259,11 +259,29 @@ class TokenizerManager:
         yield list(results)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; a long text is tokenized on a worker thread, so that the event
+        """Token ids of `text`. A long text is tokenized on a worker thread, so that the event
         loop goes on serving other requests (and /health) meanwhile."""
         if len(text) <= _INLINE_TOKENIZE_CHARS:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self._encode_long, text, add_special_tokens)
+
+    def _encode_long(self, text: str, add_special_tokens: bool) -> list[int]:
+        """A Rust tokenizer's encode_batch releases the GIL (encode does not), and a text too
+        long for any request is refused before its ids become a Python list (which would hold
+        the GIL for as long as the list takes to build: 0.7 s for 10 MB)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or backend.truncation is not None or backend.padding is not None:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        (encoding,) = backend.encode_batch([text], add_special_tokens=add_special_tokens)  # what encode runs
+        self.check_input_len(len(encoding))
+        return encoding.ids
+
+    def check_input_len(self, n: int) -> None:
+        if n > self.max_req_input_len:
+            raise RequestError(
+                f"The input ({n} tokens) is longer than the model's context length allows "
+                f"({self.max_req_input_len} input tokens, context length {self.context_len})"
+            )
 
     async def _tokenize_one(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
         if (obj.text is None) == (obj.input_ids is None):
@@ -280,11 +298,7 @@ class TokenizerManager:
             if bad:
                 raise RequestError(f"input_ids contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         n = len(input_ids)
-        if n > self.max_req_input_len:
-            raise RequestError(
-                f"The input ({n} tokens) is longer than the model's context length allows "
-                f"({self.max_req_input_len} input tokens, context length {self.context_len})"
-            )
+        self.check_input_len(n)
         params_dict = dict(obj.sampling_params or {})
         if "max_new_tokens" in params_dict and params_dict["max_new_tokens"] is None:
             params_dict["max_new_tokens"] = self.context_len - n  # "until the context is full"
