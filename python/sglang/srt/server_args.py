@@ -44,7 +44,7 @@ class ServerArgs:
     # HTTP server
     host: str = field(default="127.0.0.1", metadata=_arg("HTTP host."))
     port: int = field(default=30000, metadata=_arg("HTTP port."))
-    api_key: Optional[str] = field(default=None, metadata=_arg("Require this key as a Bearer token on every endpoint."))
+    api_key: Optional[str] = field(default=None, metadata=_arg("Require this key as a Bearer token on every endpoint but the probes /health, /health_generate and /metrics; no endpoint returns it."))
     stream_output: bool = field(default=False, metadata=_arg("Stream only the new text of each chunk (SGLang's stream_output)."))
     stream_interval: int = field(default=1, metadata=_arg("Send a streaming request's new tokens once this many have gathered (its first token at once): fewer, larger chunks."))
     skip_server_warmup: bool = field(default=False, metadata=_arg("Skip the warm-up generation at startup: /health answers 200 as soon as HTTP is up."))

@@ -159,6 +159,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         reason = first.get("msg", "invalid request").removeprefix("Value error, ")  # pydantic's prefix for a ValueError
         message = f"{where}: {reason}" if where else reason
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # it may quote a lone surrogate
         logger.info("Rejected %s %s: %s", request.method, request.url.path, message)
         return error_response(message, 400)
 

@@ -29,7 +29,8 @@ def lone_surrogate_path(value: Any, path: str = "") -> Optional[str]:
         return None
     if isinstance(value, dict):
         for key, item in value.items():
-            where = f"{path}.{key}" if path else str(key)
+            name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")  # the error message must encode
+            where = f"{path}.{name}" if path else name
             found = lone_surrogate_path(key, where) or lone_surrogate_path(item, where)
             if found:
                 return found
