@@ -328,11 +328,15 @@ def test_profile_endpoints(client, tmp_path):
 
 def test_api_key_and_metrics():
     with fake_backend(api_key="sekret", enable_metrics=True) as (tm, fake), TestClient(warmed_up_app(tm, {})) as c:
-        for path in ("/health", "/get_model_info", "/v1/models", "/metrics"):
+        for path in ("/get_model_info", "/v1/models", "/get_server_info"):
             r = c.get(path)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
             assert c.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
             assert c.get(path, headers={"Authorization": "Bearer sekret"}).status_code == 200
+        for path in ("/health", "/health_generate", "/metrics"):  # probes and scrapers need no key
+            assert c.get(path).status_code == 200
+        info = c.get("/get_server_info", headers={"Authorization": "Bearer sekret"})
+        assert "sekret" not in info.text and "api_key" not in info.json()
         r = c.post("/generate", json={"text": "hi"}, headers={"Authorization": "Bearer sekret"})
         assert r.json()["text"] == REPLY
 

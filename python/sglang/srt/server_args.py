@@ -44,7 +44,7 @@ class ServerArgs:
     # HTTP server
     host: str = field(default="127.0.0.1", metadata=_arg("HTTP host."))
     port: int = field(default=30000, metadata=_arg("HTTP port."))
-    api_key: Optional[str] = field(default=None, metadata=_arg("Require this key as a Bearer token on every endpoint."))
+    api_key: Optional[str] = field(default=None, metadata=_arg("Require this key as a Bearer token on every endpoint but the probes /health, /health_generate and /metrics; no endpoint returns it."))
     stream_output: bool = field(default=False, metadata=_arg("Stream only the new text of each chunk (SGLang's stream_output)."))
     stream_interval: int = field(default=1, metadata=_arg("Send a streaming request's new tokens once this many have gathered (its first token at once): fewer, larger chunks."))
     skip_server_warmup: bool = field(default=False, metadata=_arg("Skip the warm-up generation at startup: /health answers 200 as soon as HTTP is up."))
@@ -61,6 +61,7 @@ class ServerArgs:
     num_continuous_decode_steps: int = field(default=1, metadata=_arg("While requests decode, prefill new ones only after this many decode steps (or speculative cycles) in a row since the last prefill; 1 prefills waiting requests at once. Fewer, larger prefills when requests arrive one by one, for up to that many steps more time to first token."))
     disable_overlap_schedule: bool = field(default=False, metadata=_arg("Wait for each step's tokens before scheduling the next one (by default the next step, or speculative cycle, is scheduled while the device runs this one)."))
     watchdog_timeout: float = field(default=300, metadata=_arg("Seconds a scheduler may be stuck in one step before the server exits."))
+    scheduler_stall_timeout: float = field(default=20, metadata=_arg("/health answers 503 while a scheduler has not finished an iteration for this many seconds (an idle one finishes one every 0.1 s)."))
 
     # Kernels and CUDA graphs
     attention_backend: Optional[str] = field(default=None, metadata=_arg("Attention kernels; triton on CUDA, torch_native on CPU.", choices=ATTENTION_BACKENDS))
@@ -174,6 +175,8 @@ class ServerArgs:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.watchdog_timeout <= 0:
             raise ValueError(f"--watchdog-timeout must be positive, got {self.watchdog_timeout}")
+        if self.scheduler_stall_timeout <= 0:
+            raise ValueError(f"--scheduler-stall-timeout must be positive, got {self.scheduler_stall_timeout}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.cuda_graph_bs is not None and any(b < 1 for b in self.cuda_graph_bs):

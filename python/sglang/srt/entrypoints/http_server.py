@@ -26,11 +26,13 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from sglang.srt.entrypoints.admin_protocol import ProfileRequest
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from sglang.srt.entrypoints.openai.serving_base import error_response, sse_response, start_stream
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sglang.srt.managers.io_struct import ProfileReq
+from sglang.srt.managers.scheduler_heartbeat import stalled_schedulers
 from sglang.srt.managers.tokenizer_manager import (
     GenerateReqInput,
     RequestError,
@@ -44,9 +46,10 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 << 20
 HEALTH_GENERATE_TIMEOUT_S = 30.0
-
-
-_PROFILE_OPTIONS = {"output_dir", "num_steps", "activities"}
+# Probes and scrapers reach these without the API key (as upstream SGLang).
+_OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
+# Server arguments that no endpoint returns.
+_SECRET_SERVER_ARGS = frozenset({"api_key"})
 
 
 async def _profile_response(tokenizer_manager: TokenizerManager, req: ProfileReq) -> Response:
@@ -70,6 +73,10 @@ def create_app(tokenizer_manager: TokenizerManager, scheduler_info: dict[str, An
     async def health() -> Response:
         if tokenizer_manager.dead_reason is not None:
             return error_response(f"Unhealthy: {tokenizer_manager.dead_reason}", 503)
+        stalled = stalled_schedulers(tokenizer_manager.run_dir, server_args.scheduler_stall_timeout)
+        if stalled:
+            name, seconds = stalled[0]
+            return error_response(f"Unhealthy: scheduler {name} has not finished an iteration for {seconds:.1f} s", 503)
         if not app.state.warmed_up.is_set():
             return error_response("The server is starting: its warm-up request has not finished", 503)
         return Response(status_code=200)
@@ -90,7 +97,8 @@ def create_app(tokenizer_manager: TokenizerManager, scheduler_info: dict[str, An
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
         states = await tokenizer_manager.get_internal_state()
-        return {**dataclasses.asdict(server_args), **scheduler_info, "internal_states": states}
+        public_args = {k: v for k, v in dataclasses.asdict(server_args).items() if k not in _SECRET_SERVER_ARGS}
+        return {**public_args, **scheduler_info, "internal_states": states}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -99,11 +107,8 @@ def create_app(tokenizer_manager: TokenizerManager, scheduler_info: dict[str, An
         return error_response("Cache not flushed: requests are running", 400)
 
     @app.post("/start_profile")
-    async def start_profile(request: Request) -> Response:
-        body = await request.body()
-        options = json.loads(body) if body.strip() else {}
-        if not isinstance(options, dict) or set(options) - _PROFILE_OPTIONS:
-            return error_response(f"/start_profile takes a JSON object with keys among {sorted(_PROFILE_OPTIONS)}", 400)
+    async def start_profile(body: Optional[ProfileRequest] = None) -> Response:
+        options = body.model_dump() if body is not None else {}
         return await _profile_response(tokenizer_manager, ProfileReq("start", **options))
 
     @app.post("/stop_profile")
@@ -152,7 +157,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         first = errors[0] if errors else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        reason = first.get("msg", "invalid request").removeprefix("Value error, ")  # pydantic's prefix for a ValueError
+        message = f"{where}: {reason}" if where else reason
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # it may quote a lone surrogate
         logger.info("Rejected %s %s: %s", request.method, request.url.path, message)
         return error_response(message, 400)
 
@@ -177,14 +184,14 @@ class RequestGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            refusal = self.refusal(Headers(scope=scope))
+            refusal = self.refusal(Headers(scope=scope), needs_key=scope["path"] not in _OPEN_PATHS)
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-    def refusal(self, headers: Headers) -> Optional[JSONResponse]:
-        if self.expected is not None and not hmac.compare_digest(headers.get("authorization", "").encode("latin-1"), self.expected):
+    def refusal(self, headers: Headers, needs_key: bool) -> Optional[JSONResponse]:
+        if needs_key and self.expected is not None and not hmac.compare_digest(headers.get("authorization", "").encode("latin-1"), self.expected):
             return error_response("Invalid or missing API key", 401, "authentication_error")
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):

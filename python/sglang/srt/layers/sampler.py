@@ -34,6 +34,8 @@ class SamplingBatchInfo:
     output_counts: Optional[torch.Tensor] = None  # [B, V] counts of generated tokens
     seen_mask: Optional[torch.Tensor] = None  # [B, V] prompt or output tokens
     generators: Optional[list[Optional[torch.Generator]]] = None
+    # OpenAI logit_bias added to the logits: None when no request in the batch has one.
+    logit_biases: Optional[torch.Tensor] = None  # [B, V]
 
     @classmethod
     def from_requests(
@@ -67,6 +69,8 @@ class SamplingBatchInfo:
             info.top_ks = top_ks_f.long()
         if any(p.has_penalties for p in params):
             info._init_penalties(params, token_histories, vocab_size, device)
+        if any(p.logit_bias for p in params):
+            info.logit_biases = _logit_biases(params, vocab_size, device)
         return info
 
     def _init_penalties(self, params, token_histories, vocab_size: int, device: str) -> None:
@@ -96,12 +100,26 @@ class SamplingBatchInfo:
         self.seen_mask = self.seen_mask | (counts > 0)
 
     def apply_penalties(self, logits: torch.Tensor) -> torch.Tensor:
+        """logit_bias, then the penalties."""
+        if self.logit_biases is not None:
+            logits = logits + self.logit_biases
         if self.output_counts is None:
             return logits
         logits = logits - self.frequency_penalties * self.output_counts
         logits = logits - self.presence_penalties * (self.output_counts > 0)
         rep = torch.where(self.seen_mask, self.repetition_penalties, torch.ones_like(logits))
         return torch.where(logits > 0, logits / rep, logits * rep)
+
+
+def _logit_biases(params: Sequence[SamplingParams], vocab_size: int, device: str) -> torch.Tensor:
+    """[B, V] float32: each request's logit_bias at its token ids, 0 elsewhere (one upload)."""
+    rows = [i for i, p in enumerate(params) for _ in (p.logit_bias or ())]
+    ids = [t for p in params for t in (p.logit_bias or ())]
+    values = [float(b) for p in params for b in (p.logit_bias or {}).values()]
+    rows_f, ids_f, values_d = upload([rows, ids, values], device, torch.float32)  # ids exact in float32 (< 2**24)
+    biases = torch.zeros((len(params), vocab_size), dtype=torch.float32, device=device)
+    biases[rows_f.long(), ids_f.long()] = values_d
+    return biases
 
 
 @dataclass

@@ -37,6 +37,7 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting
+from sglang.srt.managers.scheduler_heartbeat import IterationHeartbeat
 from sglang.srt.managers.scheduler_profiler import SchedulerProfiler
 from sglang.srt.managers.tp_worker import GenerationResult, LaunchedStep, TpModelWorker
 from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -50,6 +51,8 @@ from sglang.srt.utils.zmq_utils import shared_context
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 100
+# What one request's (or control message's) own bad data raises while it is taken in.
+_REQUEST_DATA_ERRORS = (TypeError, ValueError, OverflowError, OSError)
 
 
 class Scheduler:
@@ -118,6 +121,7 @@ class Scheduler:
         self.decode_streak = 0  # decode batches launched since the last prefill batch
         dp_label = f"DP{self.dp_rank}-" if self.dp_rank is not None else ""
         self.profiler = SchedulerProfiler(f"{dp_label}TP{tp_rank}")
+        self.heartbeat = IterationHeartbeat(port_args.run_dir, f"{dp_label}TP{tp_rank}")
         # Only the entry rank of each DP rank talks to the other processes.
         self.recv_from_tokenizer = self.send_to_detokenizer = self.send_to_tokenizer = None
         if self.comm.is_entry_rank:
@@ -162,6 +166,7 @@ class Scheduler:
     def event_loop(self) -> None:
         while True:
             self.run_iteration()
+            self.heartbeat.beat()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req or self.in_flight)
@@ -251,7 +256,10 @@ class Scheduler:
         elif isinstance(msg, GetInternalStateReq):
             self.reply(GetInternalStateReqOutput(self.internal_state()))
         elif isinstance(msg, ProfileReq):
-            self.reply(ProfileReqOutput(*self.profiler.handle(msg)))
+            try:  # a bad option (type, directory) fails this request, not the scheduler
+                self.reply(ProfileReqOutput(*self.profiler.handle(msg)))
+            except _REQUEST_DATA_ERRORS as e:
+                self.reply(ProfileReqOutput(False, f"Cannot profile: {type(e).__name__}: {e}"))
         else:
             logger.error("Scheduler got an unknown message: %r", type(msg))
 
@@ -265,14 +273,26 @@ class Scheduler:
             top_logprobs_num=msg.top_logprobs_num,
         )
         if not req.origin_input_ids or len(req.origin_input_ids) > self.max_req_input_len:
-            req.finished_reason = {
-                "type": "abort",
-                "message": f"Input length {len(req.origin_input_ids)} must be in [1, {self.max_req_input_len}]",
-            }
-            self.stream_output([req])
+            self.refuse(req, f"Input length {len(req.origin_input_ids)} must be in [1, {self.max_req_input_len}]")
             return
-        self.worker.add_request(req)
+        # The TokenizerManager validated the request already; checked again here, a request
+        # whose own data is bad (sampling parameters, seed, token ids) fails alone.
+        try:
+            msg.sampling_params.verify(self.model_config.vocab_size)
+            if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= self.model_config.vocab_size:
+                raise ValueError(f"input_ids must be in [0, {self.model_config.vocab_size})")
+            self.worker.add_request(req)
+        except _REQUEST_DATA_ERRORS as e:
+            self.worker.remove_request(req)
+            self.refuse(req, f"Invalid request: {e}")
+            return
         self.waiting.append(req)
+
+    def refuse(self, req: Req, message: str) -> None:
+        """Finish a request that never ran with an error (a 400 for its client)."""
+        logger.info("Refused request %s: %s", req.rid, message)
+        req.finished_reason = {"type": "abort", "message": message}
+        self.stream_output([req])
 
     def abort_request(self, rid: str) -> None:
         for req in self.waiting:

@@ -433,4 +433,4 @@ class EAGLEWorker:
 
 def _greedy_without_penalties(reqs: list[Req]) -> bool:
     """Whether the verify's argmax decides the cycle (VerifyProgram's greedy outcome holds)."""
-    return all(r.sampling_params.is_greedy and not r.sampling_params.has_penalties for r in reqs)
+    return all(r.sampling_params.is_greedy and not r.sampling_params.adjusts_logits for r in reqs)

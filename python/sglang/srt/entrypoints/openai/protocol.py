@@ -12,6 +12,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
+from sglang.srt.managers.request_validation import Seed, ValidatedRequest
+
 
 def error_body(message: str, status_code: int, err_type: Optional[str] = None) -> dict[str, Any]:
     """OpenAI-style error payload."""
@@ -24,7 +26,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(ValidatedRequest):
     """Sampling fields shared by completions and chat completions (OpenAI + SGLang extras)."""
 
     model: str
@@ -38,7 +40,8 @@ class _SamplingFields(BaseModel):
     n: int = 1
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
-    seed: Optional[int] = None
+    seed: Optional[Seed] = None
+    logit_bias: Optional[dict[str, float]] = None  # token id (a JSON key) -> bias in [-100, 100]
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
@@ -62,6 +65,7 @@ class _SamplingFields(BaseModel):
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "sampling_seed": self.seed,
+            "logit_bias": self.logit_bias,
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "no_stop_trim": self.no_stop_trim,

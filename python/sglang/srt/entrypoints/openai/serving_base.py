@@ -53,8 +53,12 @@ def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 
 async def start_stream(outputs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
     """Pull the first output now, so that validation errors become a plain HTTP error
-    response instead of an event inside a 200 stream."""
-    first = await outputs.__anext__()
+    response instead of an event inside a 200 stream. A client gone before the first output
+    gets a 499 (the outputs end without one)."""
+    try:
+        first = await outputs.__anext__()
+    except StopAsyncIteration:
+        raise RequestError("Client disconnected", 499) from None
 
     async def rest() -> AsyncIterator[dict[str, Any]]:
         async with contextlib.aclosing(outputs):

@@ -37,7 +37,7 @@ class OpenAIServingChat(OpenAIServingBase):
         self.check_model(request.model)
         self._check_unsupported(request)
         obj = GenerateReqInput(
-            input_ids=self.apply_chat_template(request),
+            input_ids=await self.apply_chat_template(request),
             sampling_params=request.sampling_params(request.max_completion_tokens or request.max_tokens, request.min_tokens),
             stream=request.stream,
             return_logprob=request.logprobs,
@@ -71,7 +71,7 @@ class OpenAIServingChat(OpenAIServingBase):
         if request.max_tokens is not None and request.max_completion_tokens is not None:
             raise RequestError("Give only one of max_tokens and max_completion_tokens")
 
-    def apply_chat_template(self, request: ChatCompletionRequest) -> list[int]:
+    async def apply_chat_template(self, request: ChatCompletionRequest) -> list[int]:
         try:
             messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         except ValueError as e:
@@ -86,7 +86,7 @@ class OpenAIServingChat(OpenAIServingBase):
         except Exception as e:  # template errors (e.g. roles the template rejects) are the client's
             raise RequestError(f"Could not apply the chat template: {e}") from None
         # The template already contains the special tokens (BOS etc.).
-        return tokenizer.encode(prompt, add_special_tokens=False)
+        return await self.tm.encode(prompt, add_special_tokens=False)
 
     def _logprobs(self, meta: dict[str, Any], start: int) -> ChoiceLogprobs:
         tokens = meta.get("output_token_logprobs", [])[start:]
