@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import shutil
+import signal
 import threading
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -49,7 +50,7 @@ class Subprocesses:
                 return
             proc = sentinels[ready[0]]
             proc.join(0)
-            on_death(f"Subprocess {proc.name} (pid {proc.pid}) exited unexpectedly with code {proc.exitcode}")
+            on_death(f"Subprocess {proc.name} (pid {proc.pid}) {describe_exit(proc.exitcode)}")
 
         self._monitor = threading.Thread(target=watch, daemon=True, name="subprocess-monitor")
         self._monitor.start()
@@ -65,6 +66,17 @@ class Subprocesses:
         for proc in self.procs:
             proc.join(5)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def describe_exit(exitcode: Optional[int]) -> str:
+    """How a child ended: multiprocessing's exitcode is -N when signal N killed it."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"exited unexpectedly: killed by {name}"
+    return f"exited unexpectedly with code {exitcode}"
 
 
 def _launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, dict[str, Any], Subprocesses]:
@@ -100,7 +112,6 @@ def _launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, dic
 def run_worker_node(server_args: ServerArgs) -> None:
     """--node-rank > 0: run this node's scheduler ranks (no HTTP, no tokenizer) until one of
     them exits or this process is told to stop; node 0 serves the requests."""
-    import signal
 
     server_args.check_launchable()
     port_args = PortArgs.init_new(server_args)

@@ -198,12 +198,15 @@ async def incremental_outputs(outputs: AsyncIterator[dict[str, Any]]) -> AsyncIt
 class TokenizerManager:
     def __init__(self, server_args: ServerArgs, port_args: PortArgs, tokenizer=None):
         self.server_args = server_args
-        if tokenizer is None:
-            from sglang.srt.utils.hf_transformers_utils import get_tokenizer, resolve_model_path
+        from sglang.srt.utils.hf_transformers_utils import get_config, get_server_tokenizer
 
-            tokenizer = get_tokenizer(resolve_model_path(server_args.tokenizer_path), server_args.trust_remote_code)
-        self.tokenizer = tokenizer
-        self.vocab_size = len(tokenizer)
+        if tokenizer is None:
+            tokenizer = get_server_tokenizer(server_args)
+        self.tokenizer = tokenizer  # None under --skip-tokenizer-init
+        if tokenizer is None:
+            self.vocab_size = get_config(server_args.model_path, server_args.trust_remote_code).vocab_size
+        else:
+            self.vocab_size = len(tokenizer)
         # Set from the first SchedulerReady (set_scheduler_info) before serving.
         self.context_len = 0
         self.max_req_input_len = 0
@@ -257,6 +260,8 @@ class TokenizerManager:
     def _tokenize_one(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
         if (obj.text is None) == (obj.input_ids is None):
             raise RequestError("Exactly one of text and input_ids must be given")
+        if self.tokenizer is None:
+            self._check_token_ids_only(obj)
         if obj.text is not None:
             if not obj.text:
                 raise RequestError("The prompt is empty")
@@ -301,6 +306,21 @@ class TokenizerManager:
             return_logprob=obj.return_logprob,
             top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
         )
+
+    @staticmethod
+    def _check_token_ids_only(obj: GenerateReqInput) -> None:
+        """Under --skip-tokenizer-init nothing can be encoded or decoded."""
+        needs = [
+            name
+            for name, used in (
+                ("text", obj.text is not None),
+                ("sampling_params.stop", bool((obj.sampling_params or {}).get("stop"))),
+                ("return_text_in_logprobs", obj.return_text_in_logprobs),
+            )
+            if used
+        ]
+        if needs:
+            raise RequestError(f"{needs[0]} needs a tokenizer; this server runs with --skip-tokenizer-init: send input_ids")
 
     async def _run_one(self, req: TokenizedGenerateReqInput, obj: GenerateReqInput, request) -> AsyncIterator[dict]:
         state = ReqState(obj.stream, list(req.sampling_params.stop), obj.return_text_in_logprobs)

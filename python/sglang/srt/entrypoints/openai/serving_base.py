@@ -90,6 +90,8 @@ class OpenAIServingBase:
         return self.tm.tokenizer.decode([token_id])
 
     def check_model(self, model: str) -> None:
+        if self.tm.tokenizer is None:
+            raise RequestError("The OpenAI endpoints need a tokenizer; this server runs with --skip-tokenizer-init: use /generate with input_ids")
         if model not in self.model_names:
             raise RequestError(f"The model {model!r} does not exist; this server serves {self.tm.server_args.served_model_name!r}", 404)
 
