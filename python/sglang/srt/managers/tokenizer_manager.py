@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 import zmq
@@ -222,6 +223,7 @@ class TokenizerManager:
         self.rid_to_state: dict[str, ReqState] = {}
         self.metrics = MetricsCollector(server_args.served_model_name) if server_args.enable_metrics else None
         self.dead_reason: Optional[str] = None
+        self._sample_group_ranks = itertools.cycle(range(server_args.dp_size))  # DP rank of each n > 1 group
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._handle_task: Optional[asyncio.Task] = None
         self._collectors: dict[type, _ReplyCollector] = {
@@ -248,6 +250,12 @@ class TokenizerManager:
         tokenized = [self._tokenize_one(o) for o in singles]  # all validated before any is sent
         if len(set(t.rid for t in tokenized)) != len(tokenized):
             raise RequestError("Duplicate rid in the batch")
+        if any(t.sampling_params.n > 1 for t in tokenized):
+            if obj.stream:
+                raise RequestError("stream=True with n > 1 is not supported")
+            groups = await asyncio.gather(*(self._samples(t, o, request) for t, o in zip(tokenized, singles)))
+            yield [out for group in groups for out in group]  # prompt-major: prompt i's samples at i*n ..
+            return
         if not obj.is_batch:
             # aclosing: closing this generator must close (and so abort) the request at once.
             async with contextlib.aclosing(self._run_one(tokenized[0], singles[0], request)) as outputs:
@@ -321,6 +329,28 @@ class TokenizerManager:
         ]
         if needs:
             raise RequestError(f"{needs[0]} needs a tokenizer; this server runs with --skip-tokenizer-init: send input_ids")
+
+    async def _samples(self, req: TokenizedGenerateReqInput, obj: GenerateReqInput, request) -> list[Any]:
+        """The final outputs of `n` samples of one prompt. The prompt is prefilled once first
+        (a request of 0 new tokens) so that its KV is in the prefix cache when the samples
+        start; all of them go to one DP rank, whose cache holds it."""
+        params, n = req.sampling_params, req.sampling_params.n
+        dp_rank = next(self._sample_group_ranks) if self.server_args.dp_size > 1 else None
+        if n > 1 and not self.server_args.disable_radix_cache:
+            prefill = replace(
+                req, rid=f"{req.rid}-prefill", return_logprob=False, top_logprobs_num=0, dp_rank=dp_rank,
+                sampling_params=replace(params, max_new_tokens=0, min_new_tokens=0, n=1),
+            )
+            await final_output(self._run_one(prefill, obj, request))
+        seed = params.sampling_seed
+        samples = [
+            replace(
+                req, rid=f"{req.rid}-{i}" if n > 1 else req.rid, dp_rank=dp_rank,
+                sampling_params=replace(params, n=1, sampling_seed=None if seed is None else seed + i),
+            )
+            for i in range(n)
+        ]
+        return list(await asyncio.gather(*(final_output(self._run_one(s, obj, request)) for s in samples)))
 
     async def _run_one(self, req: TokenizedGenerateReqInput, obj: GenerateReqInput, request) -> AsyncIterator[dict]:
         state = ReqState(obj.stream, list(req.sampling_params.stop), obj.return_text_in_logprobs)

@@ -73,8 +73,9 @@ def finish_reason(meta: dict[str, Any]) -> tuple[Optional[str], Any]:
     return reason["type"], reason.get("matched")
 
 
-def usage(outputs: list[dict[str, Any]]) -> UsageInfo:
-    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outputs)
+def usage(outputs: list[dict[str, Any]], n: int = 1) -> UsageInfo:
+    """Token counts of the outputs: prompt i's n samples (outputs i*n ..) count its prompt once."""
+    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outputs[::n])
     completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
