@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import inspect
 import logging
 import multiprocessing as mp
 import shutil
@@ -206,19 +207,13 @@ class Engine:
             return self._iterate(outputs)
         return self._run(final_output(outputs))
 
-    async def async_generate(
-        self,
-        prompt: Union[None, str, list[str]] = None,
-        sampling_params: Union[None, dict[str, Any], list[dict[str, Any]]] = None,
-        input_ids: Union[None, list[int], list[list[int]]] = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        stream: bool = False,
-    ) -> Union[dict[str, Any], list[dict[str, Any]], AsyncIterator[dict[str, Any]]]:
-        """generate() from the caller's event loop: awaited, the output(s); when streaming, an
-        async iterator of chunks (closing it early aborts the request)."""
-        outputs = self._outputs(prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream)
-        if stream:
+    async def async_generate(self, *args: Any, **kwargs: Any) -> Union[dict[str, Any], list[dict[str, Any]], AsyncIterator[dict[str, Any]]]:
+        """generate() from the caller's event loop, with generate()'s arguments: awaited, the
+        output(s); when streaming, an async iterator of chunks (closing it early aborts the request)."""
+        bound = inspect.signature(self.generate).bind(*args, **kwargs)
+        bound.apply_defaults()
+        outputs = self._outputs(**bound.arguments)
+        if bound.arguments["stream"]:
             return self._aiterate(outputs)
         return await self._await(final_output(outputs))
 
