@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -29,9 +30,17 @@ def _env() -> dict[str, str]:
 
 
 def _bash(script: str, timeout: float) -> str:
-    proc = subprocess.run(["bash", "-c", "set -e\n" + script], capture_output=True, text=True, env=_env(), timeout=timeout)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+    """Run `script` in its own process group, which is killed (server included) if it overruns."""
+    proc = subprocess.Popen(["bash", "-c", "set -e\n" + script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_env(), start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"timed out after {timeout} s:\n{stdout}{stderr}") from None
+    assert proc.returncode == 0, stdout + stderr
+    return stdout
 
 
 def test_engine_snippet_runs_as_a_script(tmp_path):
@@ -64,8 +73,8 @@ def test_server_command_and_curls():
 def test_cpu_headline_recipe(tmp_path):
     recipe = next(b for b in _blocks("bash") if "train_tiny_models" in b)
     script = recipe.replace("30000", str(find_free_port())).replace("/tmp/tiny", str(tmp_path / "tiny"))
-    out = _bash(script, timeout=900)
-    chat, completions, accept = _json_values(out)
+    out = _bash(script, timeout=540)
+    chat, completions, accept = _json_values(out[out.index("{"):])  # after the training tool's lines
     assert chat["model"] == "tiny-deepseek" and [c["index"] for c in chat["choices"]] == [0, 1, 2, 3]
     assert len(completions["choices"]) == 4
     assert len(accept) == 2 and all(1.0 <= a <= 4.0 for a in accept), accept
