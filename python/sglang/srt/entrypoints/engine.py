@@ -16,6 +16,7 @@ import multiprocessing as mp
 import shutil
 import signal
 import threading
+import time
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, TypeVar, Union
@@ -50,7 +51,10 @@ class Subprocesses:
             if self._stopping or self._stop_r in ready:
                 return
             proc = sentinels[ready[0]]
-            proc.join(0)
+            # The sentinel closes as the child dies, a moment before waitpid reports its status.
+            deadline = time.monotonic() + 1.0
+            while proc.exitcode is None and time.monotonic() < deadline:
+                time.sleep(0.01)
             on_death(f"Subprocess {proc.name} (pid {proc.pid}) {describe_exit(proc.exitcode)}")
 
         self._monitor = threading.Thread(target=watch, daemon=True, name="subprocess-monitor")
