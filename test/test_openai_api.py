@@ -175,7 +175,7 @@ def test_scheduler_death_shuts_the_server_down(tiny_llama_dir):
         info = requests.get(proc.base_url + "/get_server_info", timeout=60).json()
         os.kill(info["internal_states"][0]["pid"], signal.SIGKILL)
         assert proc.wait(30) != 0
-        assert "exited unexpectedly" in proc.log_tail()
+        assert "exited unexpectedly: killed by SIGKILL" in proc.log_tail()
         assert wait_until_gone(children) == []
     finally:
         kill_server(proc)

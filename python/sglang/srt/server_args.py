@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import logging
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
 
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
 # (steps, topk, num_draft_tokens) when none of the three is given.
@@ -33,6 +37,7 @@ class ServerArgs:
     # Model and tokenizer
     model_path: str = field(metadata=_arg("Path of the model: an HF directory, a GGUF file, or SmolLM2-135M-Instruct.", required=True))
     tokenizer_path: Optional[str] = field(default=None, metadata=_arg("Path of the tokenizer (defaults to the model path)."))
+    skip_tokenizer_init: bool = field(default=False, metadata=_arg("Load no tokenizer: requests give input_ids, outputs carry output_ids (empty text); the OpenAI endpoints are refused."))
     load_format: str = field(default="auto", metadata=_arg("Weight format; 'dummy' makes random weights from the config.", choices=LOAD_FORMATS))
     trust_remote_code: bool = field(default=False, metadata=_arg("Allow custom model code from the hub (configs only here)."))
     dtype: str = field(default="auto", metadata=_arg("Weight and activation dtype; auto is bfloat16 on CUDA, float32 on CPU.", choices=DTYPES))
@@ -110,8 +115,11 @@ class ServerArgs:
             self.tokenizer_path = self.model_path
         if self.served_model_name is None:
             self.served_model_name = self.model_path
+        default_backend = "triton" if self.device == "cuda" else "torch_native"
+        if self.attention_backend == "flashinfer":
+            self._fall_back_from_flashinfer(default_backend)
         if self.attention_backend is None:
-            self.attention_backend = "triton" if self.device == "cuda" else "torch_native"
+            self.attention_backend = default_backend
         if self.random_seed is None:
             self.random_seed = 42
         if self.chunked_prefill_size is None:
@@ -122,6 +130,14 @@ class ServerArgs:
             self.disable_cuda_graph = True
         if self.speculative_algorithm is not None:
             self._resolve_speculative_defaults()
+
+    def _fall_back_from_flashinfer(self, fallback: str) -> None:
+        """SGLang command lines name flashinfer; this server has no flashinfer backend, so they
+        run on the device's default backend (one warning, here at parse time)."""
+        installed = importlib.util.find_spec("flashinfer") is not None
+        reason = "this server has no flashinfer backend" if installed else "the flashinfer package is not importable"
+        logger.warning("--attention-backend flashinfer: %s; using the %s backend instead", reason, fallback)
+        self.attention_backend = fallback
 
     def _resolve_speculative_defaults(self) -> None:
         """SGLang's rules: NEXTN drafts from the target checkpoint; all three sizes unset means
@@ -293,12 +309,24 @@ def _flag_names(f: dataclasses.Field) -> list[str]:
     return list(f.metadata.get("flags") or ()) or ["--" + f.name.replace("_", "-")]
 
 
+def _help_suffix(f: dataclasses.Field, resolved: ServerArgs) -> str:
+    """--help's default: the field's value, or 'auto' when ServerArgs derives it at parse time
+    (from the device, the model path...), 'unset' when it stays None."""
+    if f.metadata.get("required"):
+        return "(required)"
+    if f.default is not None:
+        return f"(default: {f.default})"
+    return "(default: auto)" if getattr(resolved, f.name) is not None else "(default: unset)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m sglang.launch_server", allow_abbrev=True)
     hints = typing.get_type_hints(ServerArgs)
+    resolved = ServerArgs(model_path="model", device="cpu")  # which None defaults get derived
     for f in dataclasses.fields(ServerArgs):
         meta = dict(f.metadata)
-        kwargs: dict[str, Any] = {"dest": f.name, "help": meta.get("help")}
+        help_text = f"{meta.get('help')} {_help_suffix(f, resolved)}".replace("%", "%%")
+        kwargs: dict[str, Any] = {"dest": f.name, "help": help_text}
         if meta.get("choices"):
             kwargs["choices"] = meta["choices"]
         if meta.get("required"):
@@ -328,7 +356,11 @@ def _base_type(hint) -> type:
 def prepare_server_args(argv: list[str]) -> ServerArgs:
     """Parse a command line into ServerArgs; invalid values exit with the flag named."""
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    return server_args_from_namespace(parser, parser.parse_args(argv))
+
+
+def server_args_from_namespace(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ServerArgs:
+    """ServerArgs from parsed flags; invalid values exit with the flag named."""
     try:
         return ServerArgs(**vars(ns))
     except ValueError as e:

@@ -10,13 +10,16 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import inspect
 import logging
 import multiprocessing as mp
 import shutil
+import signal
 import threading
+import time
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, TypeVar, Union
 
 from sglang.srt.managers.data_parallel_controller import start_scheduler_side
 from sglang.srt.managers.io_struct import ProfileReq, SchedulerReady
@@ -48,8 +51,11 @@ class Subprocesses:
             if self._stopping or self._stop_r in ready:
                 return
             proc = sentinels[ready[0]]
-            proc.join(0)
-            on_death(f"Subprocess {proc.name} (pid {proc.pid}) exited unexpectedly with code {proc.exitcode}")
+            # The sentinel closes as the child dies, a moment before waitpid reports its status.
+            deadline = time.monotonic() + 1.0
+            while proc.exitcode is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            on_death(f"Subprocess {proc.name} (pid {proc.pid}) {describe_exit(proc.exitcode)}")
 
         self._monitor = threading.Thread(target=watch, daemon=True, name="subprocess-monitor")
         self._monitor.start()
@@ -65,6 +71,29 @@ class Subprocesses:
         for proc in self.procs:
             proc.join(5)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+T = TypeVar("T")
+
+
+async def _awaited(awaitable: Awaitable[T]) -> T:
+    return await awaitable
+
+
+async def _next_or_none(outputs: AsyncIterator[Any]) -> Any:
+    """The next item of `outputs`, None at its end (outputs are never None)."""
+    return await anext(outputs, None)
+
+
+def describe_exit(exitcode: Optional[int]) -> str:
+    """How a child ended: multiprocessing's exitcode is -N when signal N killed it."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"exited unexpectedly: killed by {name}"
+    return f"exited unexpectedly with code {exitcode}"
 
 
 def _launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, dict[str, Any], Subprocesses]:
@@ -100,7 +129,6 @@ def _launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, dic
 def run_worker_node(server_args: ServerArgs) -> None:
     """--node-rank > 0: run this node's scheduler ranks (no HTTP, no tokenizer) until one of
     them exits or this process is told to stop; node 0 serves the requests."""
-    import signal
 
     server_args.check_launchable()
     port_args = PortArgs.init_new(server_args)
@@ -134,17 +162,22 @@ def _wait_ready(reader: Connection) -> SchedulerReady:
 class Engine:
     """Offline inference on the same processes and code path as the HTTP server.
 
-    Engine(model_path=..., **server_args); generate(...) returns SGLang-shaped dicts.
+    Engine(model_path=..., **server_args); generate(...) returns SGLang-shaped dicts. Requests
+    run on the Engine's own event loop in a daemon thread: generate() waits for them, and
+    async_generate() awaits them from any caller's loop.
     """
 
     def __init__(self, **kwargs: Any):
         self.server_args = ServerArgs(**kwargs)
         logging.basicConfig(level=self.server_args.log_level.upper(), format="[%(asctime)s] %(message)s")
         self.loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="engine-loop")
+        self._loop_thread.start()
         self._closed = False
         try:
             self.tokenizer_manager, self.scheduler_info, self._subprocesses = _launch_subprocesses(self.server_args)
         except BaseException:
+            self._stop_loop()
             self.loop.close()
             raise
         self._subprocesses.start_monitor(self._on_subprocess_death)
@@ -153,6 +186,14 @@ class Engine:
     def _on_subprocess_death(self, reason: str) -> None:
         logger.error("%s; the Engine can no longer generate.", reason)
         self.tokenizer_manager.mark_dead(reason)
+
+    def _run(self, coro: Awaitable[T]) -> T:
+        """Run `coro` on the Engine's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(_awaited(coro), self.loop).result()
+
+    async def _await(self, coro: Awaitable[T]) -> T:
+        """Run `coro` on the Engine's loop; await its result on the caller's loop."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_awaited(coro), self.loop))
 
     def generate(
         self,
@@ -163,8 +204,24 @@ class Engine:
         top_logprobs_num: int = 0,
         stream: bool = False,
     ) -> Union[dict[str, Any], list[dict[str, Any]], Iterator[dict[str, Any]]]:
-        """One dict per prompt (a list for a list of prompts); an iterator of chunks when
-        streaming. Invalid requests raise ValueError."""
+        """One dict per prompt (a list for a list of prompts, or for n > 1 samples: prompt i's
+        at i*n ..); an iterator of chunks when streaming. Invalid requests raise ValueError."""
+        outputs = self._outputs(prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream)
+        if stream:
+            return self._iterate(outputs)
+        return self._run(final_output(outputs))
+
+    async def async_generate(self, *args: Any, **kwargs: Any) -> Union[dict[str, Any], list[dict[str, Any]], AsyncIterator[dict[str, Any]]]:
+        """generate() from the caller's event loop, with generate()'s arguments: awaited, the
+        output(s); when streaming, an async iterator of chunks (closing it early aborts the request)."""
+        bound = inspect.signature(self.generate).bind(*args, **kwargs)
+        bound.apply_defaults()
+        outputs = self._outputs(**bound.arguments)
+        if bound.arguments["stream"]:
+            return self._aiterate(outputs)
+        return await self._await(final_output(outputs))
+
+    def _outputs(self, prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream) -> AsyncIterator[Any]:
         obj = GenerateReqInput(
             text=prompt,
             input_ids=input_ids,
@@ -174,29 +231,32 @@ class Engine:
             top_logprobs_num=top_logprobs_num,
         )
         outputs = self.tokenizer_manager.generate_request(obj)
-        if stream:
-            if self.server_args.stream_output:
-                outputs = incremental_outputs(outputs)
-            return self._iterate(outputs)
-        return self.loop.run_until_complete(final_output(outputs))
+        if stream and self.server_args.stream_output:
+            outputs = incremental_outputs(outputs)
+        return outputs
 
-    def _iterate(self, outputs) -> Iterator[dict[str, Any]]:
+    def _iterate(self, outputs: AsyncIterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         try:
-            while True:
-                try:
-                    yield self.loop.run_until_complete(outputs.__anext__())
-                except StopAsyncIteration:
-                    return
+            while (chunk := self._run(_next_or_none(outputs))) is not None:
+                yield chunk
         finally:  # an abandoned stream aborts its request
-            if not self.loop.is_closed():
-                self.loop.run_until_complete(outputs.aclose())
+            if not self._closed:
+                self._run(outputs.aclose())
+
+    async def _aiterate(self, outputs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+        try:
+            while (chunk := await self._await(_next_or_none(outputs))) is not None:
+                yield chunk
+        finally:  # an abandoned stream aborts its request
+            if not self._closed:
+                await self._await(outputs.aclose())
 
     def get_server_info(self) -> dict[str, Any]:
-        states = self.loop.run_until_complete(self.tokenizer_manager.get_internal_state())
+        states = self._run(self.tokenizer_manager.get_internal_state())
         return {**dataclasses.asdict(self.server_args), **self.scheduler_info, "internal_states": states}
 
     def flush_cache(self) -> bool:
-        return self.loop.run_until_complete(self.tokenizer_manager.flush_cache())
+        return self._run(self.tokenizer_manager.flush_cache())
 
     def start_profile(
         self, output_dir: Optional[str] = None, num_steps: Optional[int] = None, activities: Optional[list[str]] = None
@@ -208,7 +268,7 @@ class Engine:
         self._profile(ProfileReq("stop"))
 
     def _profile(self, req: ProfileReq) -> None:
-        ok, message = self.loop.run_until_complete(self.tokenizer_manager.profile(req))
+        ok, message = self._run(self.tokenizer_manager.profile(req))
         if not ok:
             raise RuntimeError(message)
 
@@ -218,8 +278,13 @@ class Engine:
         self._closed = True
         atexit.unregister(self.shutdown)
         self._subprocesses.shutdown()
+        self._stop_loop()
         self.tokenizer_manager.close()
         self.loop.close()
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._loop_thread.join()
 
     def __enter__(self) -> "Engine":
         return self

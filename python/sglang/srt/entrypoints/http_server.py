@@ -127,10 +127,18 @@ def create_app(tokenizer_manager: TokenizerManager, scheduler_info: dict[str, An
             return error_response("Client disconnected", 499)
         return JSONResponse(result)
 
+    def model_card() -> ModelCard:
+        return ModelCard(id=server_args.served_model_name, root=server_args.model_path, max_model_len=tokenizer_manager.context_len)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = ModelCard(id=server_args.served_model_name, root=server_args.model_path, max_model_len=tokenizer_manager.context_len)
-        return ModelList(data=[card]).model_dump()
+        return ModelList(data=[model_card()]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")  # :path: served names may hold slashes (org/model)
+    async def retrieve_model(model_id: str) -> Response:
+        if model_id not in (server_args.served_model_name, server_args.model_path):
+            return error_response(f"The model {model_id!r} does not exist; this server serves {server_args.served_model_name!r}", 404)
+        return JSONResponse(model_card().model_dump())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

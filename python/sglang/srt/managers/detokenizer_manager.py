@@ -96,18 +96,21 @@ class IncrementalDetokenizer:
         return confirmed
 
     def handle(self, recv: BatchTokenIDOut) -> BatchStrOut:
-        texts = [
-            self.step(
-                rid,
-                recv.output_ids[i],
-                recv.output_offsets[i],
-                recv.finished_reasons[i],
-                recv.skip_special_tokens[i],
-                recv.spaces_between_special_tokens[i],
-                recv.no_stop_trim[i],
-            )
-            for i, rid in enumerate(recv.rids)
-        ]
+        if self.tokenizer is None:  # --skip-tokenizer-init: token ids only
+            texts = [""] * len(recv.rids)
+        else:
+            texts = [
+                self.step(
+                    rid,
+                    recv.output_ids[i],
+                    recv.output_offsets[i],
+                    recv.finished_reasons[i],
+                    recv.skip_special_tokens[i],
+                    recv.spaces_between_special_tokens[i],
+                    recv.no_stop_trim[i],
+                )
+                for i, rid in enumerate(recv.rids)
+            ]
         return BatchStrOut(
             rids=recv.rids,
             output_strs=texts,
@@ -124,13 +127,12 @@ class IncrementalDetokenizer:
 
 
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> None:
-    from sglang.srt.utils.hf_transformers_utils import get_tokenizer, resolve_model_path
+    from sglang.srt.utils.hf_transformers_utils import get_server_tokenizer
     from sglang.srt.utils.process import watch_parent
 
     watch_parent()
     logging.basicConfig(level=server_args.log_level.upper(), format="[%(asctime)s Detokenizer] %(message)s")
-    tokenizer = get_tokenizer(resolve_model_path(server_args.tokenizer_path), server_args.trust_remote_code)
-    detokenizer = IncrementalDetokenizer(tokenizer)
+    detokenizer = IncrementalDetokenizer(get_server_tokenizer(server_args))
     ctx = shared_context(2)
     recv_from_scheduler = ctx.socket(zmq.PULL)
     recv_from_scheduler.bind(port_args.detokenizer_ipc_name)

@@ -44,7 +44,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.req_kv import ReqKVManager
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.server_args import PortArgs, ServerArgs
-from sglang.srt.utils.hf_transformers_utils import get_tokenizer, resolve_model_path
+from sglang.srt.utils.hf_transformers_utils import get_server_tokenizer, resolve_model_path
 from sglang.srt.utils.triton_compile_log import TritonCompileLog
 from sglang.srt.utils.zmq_utils import shared_context
 
@@ -77,7 +77,7 @@ class Scheduler:
             device=server_args.device,
             trust_remote_code=server_args.trust_remote_code,
         )
-        self.tokenizer = get_tokenizer(resolve_model_path(server_args.tokenizer_path), server_args.trust_remote_code)
+        self.tokenizer = get_server_tokenizer(server_args)  # None: stop strings are refused upstream
         self.eos_ids = _eos_ids(self.model_config.hf_config, self.tokenizer)
         target = TpModelWorker(server_args, self.model_config, gpu_id, tp_rank)
         self.runner = runner = target.runner
@@ -663,6 +663,9 @@ def run_scheduler_process(
     prefix = (f" DP{dp_rank_label}" if dp_rank_label is not None else "") + f" TP{tp_rank}"
     configure_logger(server_args, prefix)
     from sglang.srt.utils.process import watch_parent
+    from sglang.srt.utils.progress import show_progress
+
+    show_progress(tp_rank == 0 and not dp_rank)  # one rank reports the weight loading
 
     watch_parent()
     torch.manual_seed(server_args.random_seed)

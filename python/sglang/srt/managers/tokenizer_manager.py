@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 import zmq
@@ -202,12 +203,15 @@ class TokenizerManager:
     def __init__(self, server_args: ServerArgs, port_args: PortArgs, tokenizer=None):
         self.server_args = server_args
         self.run_dir = port_args.run_dir  # the schedulers' heartbeat files
-        if tokenizer is None:
-            from sglang.srt.utils.hf_transformers_utils import get_tokenizer, resolve_model_path
+        from sglang.srt.utils.hf_transformers_utils import get_config, get_server_tokenizer
 
-            tokenizer = get_tokenizer(resolve_model_path(server_args.tokenizer_path), server_args.trust_remote_code)
-        self.tokenizer = tokenizer
-        self.vocab_size = len(tokenizer)
+        if tokenizer is None:
+            tokenizer = get_server_tokenizer(server_args)
+        self.tokenizer = tokenizer  # None under --skip-tokenizer-init
+        if tokenizer is None:
+            self.vocab_size = get_config(server_args.model_path, server_args.trust_remote_code).vocab_size
+        else:
+            self.vocab_size = len(tokenizer)
         # Set from the first SchedulerReady (set_scheduler_info) before serving.
         self.context_len = 0
         self.max_req_input_len = 0
@@ -223,6 +227,7 @@ class TokenizerManager:
         self.rid_to_state: dict[str, ReqState] = {}
         self.metrics = MetricsCollector(server_args.served_model_name) if server_args.enable_metrics else None
         self.dead_reason: Optional[str] = None
+        self._sample_group_ranks = itertools.cycle(range(server_args.dp_size))  # DP rank of each n > 1 group
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._handle_task: Optional[asyncio.Task] = None
         self._collectors: dict[type, _ReplyCollector] = {
@@ -249,6 +254,12 @@ class TokenizerManager:
         tokenized = [await self._tokenize_one(o) for o in singles]  # all validated before any is sent
         if len(set(t.rid for t in tokenized)) != len(tokenized):
             raise RequestError("Duplicate rid in the batch")
+        if any(t.sampling_params.n > 1 for t in tokenized):
+            if obj.stream:
+                raise RequestError("stream=True with n > 1 is not supported")
+            groups = await asyncio.gather(*(self._samples(t, o, request) for t, o in zip(tokenized, singles)))
+            yield [out for group in groups for out in group]  # prompt-major: prompt i's samples at i*n ..
+            return
         if not obj.is_batch:
             # aclosing: closing this generator must close (and so abort) the request at once.
             async with contextlib.aclosing(self._run_one(tokenized[0], singles[0], request)) as outputs:
@@ -286,6 +297,8 @@ class TokenizerManager:
     async def _tokenize_one(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
         if (obj.text is None) == (obj.input_ids is None):
             raise RequestError("Exactly one of text and input_ids must be given")
+        if self.tokenizer is None:
+            self._check_token_ids_only(obj)
         if obj.text is not None:
             if not obj.text:
                 raise RequestError("The prompt is empty")
@@ -326,6 +339,43 @@ class TokenizerManager:
             return_logprob=obj.return_logprob,
             top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
         )
+
+    @staticmethod
+    def _check_token_ids_only(obj: GenerateReqInput) -> None:
+        """Under --skip-tokenizer-init nothing can be encoded or decoded."""
+        needs = [
+            name
+            for name, used in (
+                ("text", obj.text is not None),
+                ("sampling_params.stop", bool((obj.sampling_params or {}).get("stop"))),
+                ("return_text_in_logprobs", obj.return_text_in_logprobs),
+            )
+            if used
+        ]
+        if needs:
+            raise RequestError(f"{needs[0]} needs a tokenizer; this server runs with --skip-tokenizer-init: send input_ids")
+
+    async def _samples(self, req: TokenizedGenerateReqInput, obj: GenerateReqInput, request) -> list[Any]:
+        """The final outputs of `n` samples of one prompt. The prompt is prefilled once first
+        (a request of 0 new tokens) so that its KV is in the prefix cache when the samples
+        start; all of them go to one DP rank, whose cache holds it."""
+        params, n = req.sampling_params, req.sampling_params.n
+        dp_rank = next(self._sample_group_ranks) if self.server_args.dp_size > 1 else None
+        if n > 1 and not self.server_args.disable_radix_cache:
+            prefill = replace(
+                req, rid=f"{req.rid}-prefill", return_logprob=False, top_logprobs_num=0, dp_rank=dp_rank,
+                sampling_params=replace(params, max_new_tokens=0, min_new_tokens=0, n=1),
+            )
+            await final_output(self._run_one(prefill, obj, request))
+        seed = params.sampling_seed
+        samples = [
+            replace(
+                req, rid=f"{req.rid}-{i}" if n > 1 else req.rid, dp_rank=dp_rank,
+                sampling_params=replace(params, n=1, sampling_seed=None if seed is None else seed + i),
+            )
+            for i in range(n)
+        ]
+        return list(await asyncio.gather(*(final_output(self._run_one(s, obj, request)) for s in samples)))
 
     async def _run_one(self, req: TokenizedGenerateReqInput, obj: GenerateReqInput, request) -> AsyncIterator[dict]:
         state = ReqState(obj.stream, list(req.sampling_params.stop), obj.return_text_in_logprobs)

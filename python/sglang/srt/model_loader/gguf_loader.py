@@ -15,9 +15,10 @@ from typing import Iterator
 import gguf
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
+
+from sglang.srt.utils.progress import progress
 
 
 def _gguf_to_hf_names(arch: str, hf_config: PretrainedConfig) -> dict[str, str]:
@@ -44,7 +45,7 @@ def gguf_weights_iterator(path: str, hf_config: PretrainedConfig) -> Iterator[tu
     mapping = _gguf_to_hf_names(arch, hf_config)
     config = hf_config.to_dict()
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
-    for tensor in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor"):
+    for tensor in progress(reader.tensors, "Loading GGUF weights", "tensor"):
         weights = gguf.dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(
             weights=weights, name=tensor.name, tensor_key_mapping=mapping,

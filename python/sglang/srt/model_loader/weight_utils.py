@@ -10,7 +10,8 @@ from typing import Iterable, Iterator, Sequence
 import torch
 from safetensors import safe_open
 from torch import nn
-from tqdm.auto import tqdm
+
+from sglang.srt.utils.progress import progress
 
 # (model param fragment, checkpoint fragment, shard id): checkpoint tensors fused into one parameter.
 StackedMapping = Sequence[tuple[str, str, object]]
@@ -40,16 +41,18 @@ def safetensors_weights_iterator(files: list[str]) -> Iterator[tuple[str, torch.
     for path in files:
         with safe_open(path, framework="pt") as f:
             total += len(f.keys())
-    with tqdm(total=total, desc="Loading safetensors weights", unit="tensor") as bar:
-        for path in files:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-                    bar.update(1)
+    yield from progress(_safetensors_tensors(files), "Loading safetensors weights", "tensor", total)
+
+
+def _safetensors_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 
 def pt_weights_iterator(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in tqdm(files, desc="Loading pt weights", unit="file"):
+    for path in progress(files, "Loading pt weights", "file"):
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         yield from state.items()
         del state

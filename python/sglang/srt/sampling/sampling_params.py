@@ -12,6 +12,7 @@ SEED_MAX = (1 << 64) - 1
 _FLOAT32_MAX = 3.4028234663852886e38
 # OpenAI's range for a logit_bias value.
 LOGIT_BIAS_LIMIT = 100.0
+MAX_PARALLEL_SAMPLES = 128  # n: samples of one prompt (each a request of its own)
 
 
 @dataclass
@@ -96,8 +97,8 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not 0 < self.repetition_penalty <= 2:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n}")
+        if not 1 <= self.n <= MAX_PARALLEL_SAMPLES:
+            raise ValueError(f"n must be in [1, {MAX_PARALLEL_SAMPLES}], got {self.n}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(

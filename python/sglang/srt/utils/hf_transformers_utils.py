@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import glob
 import importlib.util
 import os
+from typing import Any, Optional
 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
@@ -39,15 +42,38 @@ def resolve_model_path(path: str) -> str:
 
 
 def get_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig:
-    path = resolve_model_path(path)
-    if is_gguf(path):
+    """A private copy (callers may override fields) of the config, read once per process."""
+    return copy.deepcopy(_read_config(resolve_model_path(path), trust_remote_code))
+
+
+@functools.lru_cache(maxsize=None)
+def _read_config(path: str, trust_remote_code: bool) -> PretrainedConfig:
+    if is_gguf(path):  # parses the GGUF metadata: seconds for a real model
         return AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def get_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """Tokenizer (with its chat template) from an HF directory or from the GGUF file's metadata."""
-    path = resolve_model_path(path)
-    if is_gguf(path):
-        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    """Tokenizer (with its chat template) from an HF directory or from the GGUF file's metadata,
+    loaded once per process (callers share it and only read it)."""
+    return _load_tokenizer(resolve_model_path(path), trust_remote_code)
+
+
+def get_server_tokenizer(server_args: Any) -> Optional[PreTrainedTokenizerBase]:
+    """The tokenizer of a server's --tokenizer-path; None under --skip-tokenizer-init."""
+    if server_args.skip_tokenizer_init:
+        return None
+    return get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_tokenizer(path: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    try:
+        if is_gguf(path):
+            return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"no tokenizer could be loaded from {path!r}: give one with --tokenizer-path, or serve "
+            f"token ids with no tokenizer with --skip-tokenizer-init (transformers: {' '.join(str(e).split())})"
+        ) from None

@@ -77,8 +77,9 @@ def finish_reason(meta: dict[str, Any]) -> tuple[Optional[str], Any]:
     return reason["type"], reason.get("matched")
 
 
-def usage(outputs: list[dict[str, Any]]) -> UsageInfo:
-    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outputs)
+def usage(outputs: list[dict[str, Any]], n: int = 1) -> UsageInfo:
+    """Token counts of the outputs: prompt i's n samples (outputs i*n ..) count its prompt once."""
+    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outputs[::n])
     completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
@@ -94,6 +95,8 @@ class OpenAIServingBase:
         return self.tm.tokenizer.decode([token_id])
 
     def check_model(self, model: str) -> None:
+        if self.tm.tokenizer is None:
+            raise RequestError("The OpenAI endpoints need a tokenizer; this server runs with --skip-tokenizer-init: use /generate with input_ids")
         if model not in self.model_names:
             raise RequestError(f"The model {model!r} does not exist; this server serves {self.tm.server_args.served_model_name!r}", 404)
 

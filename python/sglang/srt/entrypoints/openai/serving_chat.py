@@ -46,18 +46,23 @@ class OpenAIServingChat(OpenAIServingBase):
         if request.stream:
             outputs = await start_stream(self.generate(obj, raw_request))
             return sse_response(self._stream_chunks(request, outputs))
-        out = await final_output(self.generate(obj, raw_request))
-        if out is None:
+        result = await final_output(self.generate(obj, raw_request))
+        outputs = result if isinstance(result, list) else [result]  # a list of n samples when n > 1
+        if result is None or None in outputs:
             return error_response("Client disconnected", 499)
-        reason, matched = finish_reason(out["meta_info"])
-        choice = ChatCompletionChoice(
-            index=0,
-            message=ChatMessageOut(content=out["text"]),
-            logprobs=self._logprobs(out["meta_info"], 0) if request.logprobs else None,
-            finish_reason=reason,
-            matched_stop=matched,
-        )
-        response = ChatCompletionResponse(model=request.model, choices=[choice], usage=usage([out]))
+        choices = []
+        for i, out in enumerate(outputs):
+            reason, matched = finish_reason(out["meta_info"])
+            choices.append(
+                ChatCompletionChoice(
+                    index=i,
+                    message=ChatMessageOut(content=out["text"]),
+                    logprobs=self._logprobs(out["meta_info"], 0) if request.logprobs else None,
+                    finish_reason=reason,
+                    matched_stop=matched,
+                )
+            )
+        response = ChatCompletionResponse(model=request.model, choices=choices, usage=usage(outputs, request.n))
         return JSONResponse(response.model_dump())
 
     @staticmethod

@@ -44,14 +44,14 @@ class OpenAIServingCompletion(OpenAIServingBase):
         result = await final_output(self.generate(obj, raw_request))
         if result is None:
             return error_response("Client disconnected", 499)
-        outputs = result if obj.is_batch else [result]
+        outputs = result if isinstance(result, list) else [result]  # prompt-major, n samples each
         choices = []
         for i, out in enumerate(outputs):
             reason, matched = finish_reason(out["meta_info"])
-            text = self._echo_prefix(request, i) + out["text"]
-            logprobs = self._logprobs(out["meta_info"], 0, len(self._echo_prefix(request, i))) if request.logprobs is not None else None
-            choices.append(CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=reason, matched_stop=matched))
-        response = CompletionResponse(model=request.model, choices=choices, usage=usage(outputs))
+            echo = self._echo_prefix(request, i // request.n)
+            logprobs = self._logprobs(out["meta_info"], 0, len(echo)) if request.logprobs is not None else None
+            choices.append(CompletionChoice(index=i, text=echo + out["text"], logprobs=logprobs, finish_reason=reason, matched_stop=matched))
+        response = CompletionResponse(model=request.model, choices=choices, usage=usage(outputs, request.n))
         return JSONResponse(response.model_dump())
 
     def _to_generate_input(self, request: CompletionRequest) -> GenerateReqInput:
