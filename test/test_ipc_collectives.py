@@ -146,3 +146,10 @@ def test_layers_built_before_the_buffers_use_them(monkeypatch):
     for rank, has_ipc, same, counter, gathered in sorted(results.get(timeout=60) for _ in range(2)):
         assert has_ipc and same and counter == 2, (rank, has_ipc, same, counter)
         assert gathered == [[0.0, 1.0], [0.0, 1.0]]
+
+
+def test_ranks_per_gpu_splits_the_memory_fraction():
+    assert _args(device="cuda", tp_size=4, dp_size=2, enable_dp_attention=True, gpu_id_step=0).ranks_per_gpu == 4
+    assert _args(device="cuda", tp_size=2, dp_size=2, gpu_id_step=0).ranks_per_gpu == 4  # replicas share it too
+    assert _args(device="cuda", tp_size=4).ranks_per_gpu == 1
+    assert _args(device="cpu", tp_size=4, gpu_id_step=0).ranks_per_gpu == 1

@@ -245,7 +245,7 @@ class ServerArgs:
     def _check_gpus_exist(self) -> None:
         import torch
 
-        per_node = self.tp_size // self.nnodes * (1 if self.enable_dp_attention else self.dp_size)
+        per_node = self.ranks_per_node
         last = self.base_gpu_id + (per_node - 1) * self.gpu_id_step
         count = torch.cuda.device_count()
         if last >= count:
@@ -283,6 +283,16 @@ class ServerArgs:
         """The ranks of one model replica on one GPU (--gpu-id-step 0 on CUDA): their collectives
         go through the IPC buffers only."""
         return self.device == "cuda" and self.gpu_id_step == 0 and self.tp_size // self.nnodes > 1
+
+    @property
+    def ranks_per_gpu(self) -> int:
+        """Scheduler processes of this node on each GPU (all of them with --gpu-id-step 0)."""
+        return self.ranks_per_node if self.device == "cuda" and self.gpu_id_step == 0 else 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Scheduler processes on each node (DP replicas without DP attention included)."""
+        return self.tp_size // self.nnodes * (1 if self.enable_dp_attention else self.dp_size)
 
     @property
     def attn_tp_size(self) -> int:

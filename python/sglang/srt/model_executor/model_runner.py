@@ -146,7 +146,18 @@ class ModelRunner:
     def _profile_max_num_tokens(self, shared_allocator: Optional[TokenToKVPoolAllocator]) -> int:
         if shared_allocator is not None:
             return shared_allocator.size
-        if self.server_args.device == "cuda":
+        if self.server_args.device == "cuda" and self.server_args.ranks_per_gpu > 1:
+            # Ranks sharing the GPU load at the same time, so free memory says nothing about
+            # this rank: each takes its share of the static fraction, less what it holds.
+            total = torch.cuda.mem_get_info()[1]
+            share = total * self.server_args.mem_fraction_static / self.server_args.ranks_per_gpu
+            budget = share - torch.cuda.memory_reserved()
+            if budget <= 0:
+                raise RuntimeError(
+                    f"Not enough GPU memory for the KV cache: {self.server_args.ranks_per_gpu} ranks share the GPU, "
+                    f"{share / _GIB:.1f} GiB each by --mem-fraction-static; raise it"
+                )
+        elif self.server_args.device == "cuda":
             free, total = torch.cuda.mem_get_info()
             budget = free - total * (1 - self.server_args.mem_fraction_static)
             if budget <= 0:
