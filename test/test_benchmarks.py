@@ -310,3 +310,15 @@ def test_trace_summary_counts_device_busy_time_and_host_calls(tmp_path):
     assert out["kernels_per_iter"] == 1.0
     assert out["idle_gaps_per_iter"] == {"100-1000us": {"count": 0.5, "us": 50.0}}
     assert out["host_calls_per_iter"] == {"cudaGraphLaunch": {"count": 1.0, "us": 20.0}}
+
+
+def test_shared_gpu_validation_workload_and_first_difference():
+    validate = _load_script("benchmark/gpu/validate_shared_gpu.py")
+    items = validate.workload(vocab=256)
+    assert len(items) == 32 and items == validate.workload(vocab=256)  # the same prompts every run
+    assert {len(ids) for ids, _ in items} <= {1, 5, 17, 40, 120} and all(4 <= n <= 40 for _, n in items)
+    reference = [[1, 2, 3], [4, 5, 6]]
+    assert validate.first_difference(reference, reference, reference, items) is None
+    diff = validate.first_difference(reference, [[1, 2, 3], [4, 9, 6]], reference, items)
+    assert diff == {"run": "staggered", "prompt": 1, "prompt_len": len(items[1][0]), "token": 1, "got": [9, 6], "want": [5, 6]}
+    assert validate._log_path_of("Server exited with code 1 (log: /tmp/x.log):\ntail") == "/tmp/x.log"

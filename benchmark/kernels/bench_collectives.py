@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from graph_timing import capture, median_replay_ms
 from sglang.srt.distributed.ipc_collectives import IpcCommunicator
 
 
@@ -75,23 +75,9 @@ def _checks(comm: IpcCommunicator, rank: int, world: int, device) -> list[dict]:
 
 
 def _latency_us(fn, per_graph: int, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / per_graph)
-    return statistics.median(times)
+    fn()  # compiled outside the capture
+    graph = capture(lambda: [fn() for _ in range(per_graph)])
+    return median_replay_ms(graph, repeats) * 1000 / per_graph
 
 
 def _rank(rank: int, args, port: int, results) -> None:
