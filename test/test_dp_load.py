@@ -3,9 +3,13 @@ entry rank's report of its outstanding work, and the balance figures of schedule
 
 from __future__ import annotations
 
+import re
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
+import requests
 import zmq
 
 from sglang.srt.managers.dp_load import LoadBalancer, LoadReporter, RankLoad
@@ -13,6 +17,7 @@ from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler_balance import IterationBalance
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
+from sglang.test.server_utils import kill_server, popen_launch_server
 
 
 def test_round_robin_ignores_loads():
@@ -113,3 +118,52 @@ def test_balance_ratio_and_stalls():
     b.observe(3, None, has_running=True, decoded=True)  # without DP attention: no ratio
     assert b.log_text() == "tok/iter: 3.0, stalled: 0.00, "
     assert b.internal_state()["tokens_per_iteration"] == pytest.approx(7 / 3)
+
+
+def _new_seqs_per_rank(log: str) -> dict[int, int]:
+    """Requests each DP rank prefilled, from its `[... DPd TPt] Prefill batch. #new-seq: n` lines."""
+    counts = {0: 0, 1: 0}
+    for rank, n in re.findall(r"DP(\d) TP\d\] Prefill batch\. #new-seq: (\d+)", log):
+        counts[int(rank)] += int(n)
+    return counts
+
+
+@pytest.mark.parametrize("method, expected", [("minimum_tokens", {0: 1, 1: 3}), ("round_robin", {0: 2, 1: 2})])
+def test_tp2_dp2_requests_follow_the_load(tiny_llama_dir, method, expected):
+    """A long request keeps DP rank 0 busy; the short ones that follow go to rank 1 by load
+    (round-robin alternates regardless). The balance figures reach /get_server_info."""
+    args = ["--device", "cpu", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]
+    server = popen_launch_server(tiny_llama_dir, args + ["--load-balance-method", method, "--skip-server-warmup"])
+    try:
+        url = server.base_url
+
+        def generate(prompt, max_new):
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+            return requests.post(f"{url}/generate", json=body, timeout=300).json()
+
+        long = threading.Thread(target=generate, args=([5, 6, 7, 8], 400))
+        long.start()
+        deadline = time.monotonic() + 60
+        while sum(s["num_running_reqs"] for s in _internal_states(url)) == 0:
+            assert time.monotonic() < deadline, "the long request never started"
+            time.sleep(0.05)
+        shorts = [threading.Thread(target=generate, args=([10 + i, 11, 12], 4)) for i in range(3)]
+        for t in shorts:
+            t.start()
+        for t in shorts + [long]:
+            t.join(300)
+        log = server.log_tail(200000)
+        assert _new_seqs_per_rank(log) == expected
+        assert re.search(r"DP0 TP0\] Decode batch\..*tok/iter: \d+\.\d, balance: \d\.\d\d, stalled: \d\.\d\d", log)
+        states = _internal_states(url)
+        for s in states:
+            assert 0 < s["balance_ratio"] <= 1
+            assert s["tokens_per_iteration"] > 0
+            assert 0 <= s["stalled_iteration_fraction"] <= 1
+        assert states[0]["balance_ratio"] == states[1]["balance_ratio"]  # both read the same plans
+    finally:
+        kill_server(server)
+
+
+def _internal_states(url: str) -> list[dict]:
+    return requests.get(f"{url}/get_server_info", timeout=30).json()["internal_states"]
