@@ -75,6 +75,17 @@ def test_per_rank_gauges():
     assert not any(name == "sglang:spec_accept_length" for name, _ in _samples(m2))
 
 
+def test_dp_balance_gauges():
+    m = MetricsCollector("m")
+    state = {"dp_rank": 1, "tokens_per_iteration": 3.5, "balance_ratio": 0.75, "stalled_iteration_fraction": 0.1}
+    m.set_rank_states([state])
+    label = (("dp_rank", "1"), ("model_name", "m"))
+    s = _samples(m)
+    assert s[("sglang:tokens_per_iteration", label)] == 3.5
+    assert s[("sglang:dp_balance_ratio", label)] == 0.75
+    assert s[("sglang:stalled_iteration_fraction", label)] == 0.1
+
+
 def test_collectors_do_not_share_a_registry():
     a, b = MetricsCollector("m"), MetricsCollector("m")  # would raise on a shared registry
     a.num_requests.inc()

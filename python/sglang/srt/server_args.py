@@ -22,6 +22,7 @@ SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
 AUTO_SPECULATIVE_PARAMS = (3, 1, 4)
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "gguf")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 # Features whose flags parse today but whose implementation lands in a later issue.
 # Each entry: (predicate on ServerArgs, message).
@@ -80,6 +81,7 @@ class ServerArgs:
     tp_size: int = field(default=1, metadata=_arg("Tensor-parallel size.", flags=("--tensor-parallel-size", "--tp-size")))
     dp_size: int = field(default=1, metadata=_arg("Data-parallel size.", flags=("--data-parallel-size", "--dp-size")))
     enable_dp_attention: bool = field(default=False, metadata=_arg("Data-parallel attention with tensor-parallel MLP/MoE."))
+    load_balance_method: Optional[str] = field(default=None, metadata=_arg("How the DP controller picks a DP rank for each request: ranks in turn, fewest outstanding requests, or fewest outstanding tokens (prompt not yet prefilled plus max_new_tokens not yet generated); defaults to minimum_tokens with --enable-dp-attention, else round_robin.", choices=LOAD_BALANCE_METHODS))
     dist_init_addr: Optional[str] = field(default=None, metadata=_arg("host:port of rank 0 for torch.distributed across nodes."))
     nnodes: int = field(default=1, metadata=_arg("Number of nodes."))
     node_rank: int = field(default=0, metadata=_arg("Rank of this node."))
@@ -128,6 +130,8 @@ class ServerArgs:
             self.mem_fraction_static = 0.88
         if self.device == "cpu":
             self.disable_cuda_graph = True
+        if self.load_balance_method is None:
+            self.load_balance_method = "minimum_tokens" if self.enable_dp_attention else "round_robin"
         if self.speculative_algorithm is not None:
             self._resolve_speculative_defaults()
 
@@ -387,6 +391,8 @@ class PortArgs:
     scheduler_input_ipc_name: str
     # DataParallelController -> entry rank of each DP rank (one per DP rank; unused at dp 1)
     dp_input_ipc_names: tuple[str, ...]
+    # Entry rank of each DP rank -> DataParallelController (RankLoad reports; unused at dp 1)
+    dp_load_ipc_name: str
     # Schedulers -> DetokenizerManager (BatchTokenIDOut)
     detokenizer_ipc_name: str
     # DetokenizerManager and schedulers -> TokenizerManager (BatchStrOut, control replies)
@@ -412,6 +418,7 @@ class PortArgs:
             return cls(
                 scheduler_input_ipc_name=tcp(1),
                 dp_input_ipc_names=tuple(tcp(4 + r) for r in range(server_args.dp_size)),
+                dp_load_ipc_name=tcp(4 + server_args.dp_size),
                 detokenizer_ipc_name=tcp(2),
                 tokenizer_ipc_name=tcp(3),
                 nccl_ports=(base,),
@@ -421,6 +428,7 @@ class PortArgs:
         return cls(
             scheduler_input_ipc_name=ipc("scheduler_input"),
             dp_input_ipc_names=tuple(ipc(f"dp_input_{r}") for r in range(server_args.dp_size)),
+            dp_load_ipc_name=ipc("dp_load"),
             detokenizer_ipc_name=ipc("detokenizer"),
             tokenizer_ipc_name=ipc("tokenizer"),
             nccl_ports=tuple(_free_port() for _ in range(replicas)),

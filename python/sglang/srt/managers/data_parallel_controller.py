@@ -10,12 +10,12 @@ With dp > 1 the controller receives every request and sends it to one DP rank's 
 
 from __future__ import annotations
 
-import itertools
 import logging
 from multiprocessing.connection import Connection
 
 import zmq
 
+from sglang.srt.managers.dp_load import LoadBalancer, new_request_tokens
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils.zmq_utils import shared_context
@@ -65,31 +65,46 @@ def start_scheduler_side(server_args: ServerArgs, port_args: PortArgs, ctx, subp
 
 
 class DataParallelController:
-    """Round-robin dispatch of generate requests; control messages go to every DP rank."""
+    """Dispatches each generate request to one DP rank (--load-balance-method, see dp_load.py);
+    control messages go to every DP rank."""
 
     def __init__(self, server_args: ServerArgs, port_args: PortArgs):
-        ctx = shared_context(1 + server_args.dp_size)
+        ctx = shared_context(2 + server_args.dp_size)
         self.recv_from_tokenizer = ctx.socket(zmq.PULL)
         self.recv_from_tokenizer.connect(port_args.scheduler_input_ipc_name)
+        self.recv_load = ctx.socket(zmq.PULL)
+        self.recv_load.bind(port_args.dp_load_ipc_name)
         self.workers = []
         for name in port_args.dp_input_ipc_names:
             sock = ctx.socket(zmq.PUSH)
             sock.bind(name)
             self.workers.append(sock)
-        self.next_rank = itertools.cycle(range(len(self.workers)))
+        self.balancer = LoadBalancer(server_args.load_balance_method, len(self.workers))
 
     def dispatch(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReqInput):
-            rank = msg.dp_rank if msg.dp_rank is not None else next(self.next_rank)
-            msg.dp_rank = rank
-            self.workers[rank].send_pyobj(msg)
+            msg.dp_rank = self.balancer.choose(new_request_tokens(msg), msg.dp_rank)
+            self.workers[msg.dp_rank].send_pyobj(msg)
         else:
             for sock in self.workers:
                 sock.send_pyobj(msg)
 
-    def event_loop(self) -> None:
+    def take_load_reports(self) -> None:
         while True:
-            self.dispatch(self.recv_from_tokenizer.recv_pyobj())
+            try:
+                self.balancer.on_report(self.recv_load.recv_pyobj(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+
+    def event_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.recv_from_tokenizer, zmq.POLLIN)
+        poller.register(self.recv_load, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            self.take_load_reports()  # the freshest loads before each dispatch
+            if self.recv_from_tokenizer in ready:
+                self.dispatch(self.recv_from_tokenizer.recv_pyobj())
 
 
 def run_data_parallel_controller_process(server_args: ServerArgs, port_args: PortArgs) -> None:

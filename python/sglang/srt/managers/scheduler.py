@@ -23,6 +23,7 @@ from sglang.srt.distributed.scheduler_comm import (
     init_distributed,
 )
 from sglang.srt.layers.sampler import NAN_TOKEN_ID
+from sglang.srt.managers.dp_load import LoadReporter
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -37,6 +38,7 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting
+from sglang.srt.managers.scheduler_balance import IterationBalance
 from sglang.srt.managers.scheduler_heartbeat import IterationHeartbeat
 from sglang.srt.managers.scheduler_profiler import SchedulerProfiler
 from sglang.srt.managers.tp_worker import GenerationResult, LaunchedStep, TpModelWorker
@@ -119,13 +121,17 @@ class Scheduler:
         self.globally_idle = True
         self.iterations = 0
         self.decode_streak = 0  # decode batches launched since the last prefill batch
+        self.balance = IterationBalance()
         dp_label = f"DP{self.dp_rank}-" if self.dp_rank is not None else ""
         self.profiler = SchedulerProfiler(f"{dp_label}TP{tp_rank}")
         self.heartbeat = IterationHeartbeat(port_args.run_dir, f"{dp_label}TP{tp_rank}")
         # Only the entry rank of each DP rank talks to the other processes.
         self.recv_from_tokenizer = self.send_to_detokenizer = self.send_to_tokenizer = None
+        self.load_reporter: Optional[LoadReporter] = None
         if self.comm.is_entry_rank:
             ctx = shared_context(2)
+            if server_args.dp_size > 1 and server_args.load_balance_method != "round_robin":
+                self.load_reporter = LoadReporter(port_args.dp_load_ipc_name, self.dp_rank, ctx)
             self.recv_from_tokenizer = ctx.socket(zmq.PULL)
             dp_input = server_args.dp_size > 1
             self.recv_from_tokenizer.connect(
@@ -173,13 +179,20 @@ class Scheduler:
 
     def run_iteration(self) -> None:
         self.iterations += 1
-        for msg in self.comm.broadcast_requests(self.recv_requests(block=not self.has_work() and self.globally_idle)):
+        msgs = self.comm.broadcast_requests(self.recv_requests(block=not self.has_work() and self.globally_idle))
+        for msg in msgs:
             self.handle_message(msg)
         if not self.can_overlap():
             self.finish_in_flight()
         batch, plan = self.get_next_batch(), None
         if self.comm.dp_attention:
             batch, plan = self.agree_on_plan(batch)
+        self.balance.observe(
+            len(batch.input_ids) if batch else 0,
+            plan.global_num_tokens if plan else None,
+            bool(self.running),
+            batch is not None and batch.mode == ForwardMode.DECODE,
+        )
         previous, self.in_flight = self.in_flight, None
         if batch is not None:
             self.in_flight = (batch, self.launch(batch, plan))
@@ -188,6 +201,9 @@ class Scheduler:
             self.process(*previous)
         if not self.overlap:
             self.finish_in_flight()
+        if self.load_reporter is not None:
+            self.load_reporter.count_received(msgs)
+            self.load_reporter.report(self.waiting + self.running + ([self.chunked_req] if self.chunked_req else []))
 
     def can_overlap(self) -> bool:
         """Whether the next batch may be scheduled before the step in flight reaches the host:
@@ -564,12 +580,13 @@ class Scheduler:
             self.spec_steps_total += self.spec_steps_since_log
             self.spec_tokens_since_log = self.spec_steps_since_log = 0
         logger.info(
-            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %sgen throughput (token/s): %.2f, "
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %s%sgen throughput (token/s): %.2f, "
             "#queue-req: %d",
             len(batch.reqs),
             self.allocator.size - self.free_kv_tokens(),
             self.token_usage(),
             spec,
+            self.balance.log_text(),
             self.last_gen_throughput,
             len(self.waiting),
         )
@@ -605,6 +622,7 @@ class Scheduler:
             "plan_all_gathers": self.comm.num_plan_gathers,
             "gathered_buffer_bytes": _nbytes(self.runner.gathered_buffer),
             "cuda_graph_replays": self.cuda_graph_replays(),
+            **self.balance.internal_state(),
         }
 
     def cuda_graph_replays(self) -> int:

@@ -56,6 +56,9 @@ class MetricsCollector:
         self.token_usage = rank_gauge("sglang:token_usage", "Fraction of the KV pool in use on a DP rank.")
         self.gen_throughput = rank_gauge("sglang:gen_throughput", "Generated tokens per second on a DP rank (last log interval).")
         self.spec_accept_length = rank_gauge("sglang:spec_accept_length", "Mean tokens per verify step on a DP rank.")
+        self.tokens_per_iteration = rank_gauge("sglang:tokens_per_iteration", "Mean rows a DP rank fed the model per busy iteration since startup.")
+        self.dp_balance_ratio = rank_gauge("sglang:dp_balance_ratio", "DP attention: mean over largest per-rank rows, summed over iterations since startup (1 = even).")
+        self.stalled_iteration_fraction = rank_gauge("sglang:stalled_iteration_fraction", "Share of iterations with running requests in which a DP rank ran no decode batch.")
 
     def on_output(self, state: Any, meta: dict[str, Any], now: Optional[float] = None) -> None:
         """Observe one output of a request. `state` has `stream`, `created` and
@@ -87,6 +90,9 @@ class MetricsCollector:
                 self.num_queue_reqs: s.get("num_waiting_reqs"),
                 self.gen_throughput: s.get("last_gen_throughput"),
                 self.spec_accept_length: s.get("avg_spec_accept_length"),
+                self.tokens_per_iteration: s.get("tokens_per_iteration"),
+                self.dp_balance_ratio: s.get("balance_ratio"),
+                self.stalled_iteration_fraction: s.get("stalled_iteration_fraction"),
             }
             if "available_kv_tokens" in s:
                 figures[self.token_usage] = 1.0 - s["available_kv_tokens"] / max(s["max_total_num_tokens"], 1)

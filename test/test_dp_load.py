@@ -1,0 +1,169 @@
+"""--load-balance-method: the controller's choice of DP rank from fake load reports, the
+entry rank's report of its outstanding work, and the balance figures of scheduler_balance.py."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import requests
+import zmq
+
+from sglang.srt.managers.dp_load import LoadBalancer, LoadReporter, RankLoad
+from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+from sglang.srt.managers.scheduler_balance import IterationBalance
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
+from sglang.test.server_utils import kill_server, popen_launch_server
+
+
+def test_round_robin_ignores_loads():
+    lb = LoadBalancer("round_robin", 3)
+    lb.on_report(RankLoad(0, 0, 50, 5000))
+    assert [lb.choose(10) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_minimum_tokens_picks_least_outstanding_tokens():
+    lb = LoadBalancer("minimum_tokens", 3)
+    lb.on_report(RankLoad(0, 0, 1, 900))
+    lb.on_report(RankLoad(1, 0, 5, 100))  # more requests, fewer tokens
+    lb.on_report(RankLoad(2, 0, 2, 400))
+    assert lb.choose(50) == 1
+
+
+def test_shortest_queue_picks_fewest_requests():
+    lb = LoadBalancer("shortest_queue", 3)
+    lb.on_report(RankLoad(0, 0, 1, 900))
+    lb.on_report(RankLoad(1, 0, 5, 100))
+    lb.on_report(RankLoad(2, 0, 2, 400))
+    assert lb.choose(50) == 0
+
+
+def test_burst_between_reports_spreads_by_dispatched_work():
+    """Without new reports the controller counts what it sent: one large request weighs as
+    much as several small ones."""
+    lb = LoadBalancer("minimum_tokens", 2)
+    assert lb.choose(1000) == 0
+    assert [lb.choose(100) for _ in range(5)] == [1] * 5
+    assert lb.load_of(0) == (1, 1000) and lb.load_of(1) == (5, 500)
+    # Rank 1 reports it took in 3 of its 5 and has 150 tokens left of them: 2 remain unreported.
+    lb.on_report(RankLoad(1, 3, 3, 150))
+    assert lb.load_of(1) == (5, 350)
+    # A report that covers everything replaces the count; an older one is ignored.
+    lb.on_report(RankLoad(1, 5, 0, 0))
+    lb.on_report(RankLoad(1, 4, 9, 9999))
+    assert lb.load_of(1) == (0, 0)
+
+
+def test_client_chosen_rank_counts_as_dispatched():
+    lb = LoadBalancer("minimum_tokens", 2)
+    assert lb.choose(500, dp_rank=0) == 0
+    assert lb.choose(10) == 1
+
+
+def test_unknown_method_is_refused():
+    with pytest.raises(ValueError, match="--load-balance-method"):
+        LoadBalancer("least_busy", 2)
+
+
+def test_default_method_depends_on_dp_attention():
+    assert ServerArgs(model_path="m", device="cpu", tp_size=2, dp_size=2, enable_dp_attention=True).load_balance_method == "minimum_tokens"
+    assert ServerArgs(model_path="m", device="cpu", dp_size=2).load_balance_method == "round_robin"
+
+
+def _req(prompt_len, kv_len, max_new, generated):
+    return SimpleNamespace(
+        origin_input_ids=[1] * prompt_len,
+        kv_len=kv_len,
+        output_ids=[2] * generated,
+        sampling_params=SimpleNamespace(max_new_tokens=max_new),
+    )
+
+
+def test_reporter_sends_outstanding_work_only_when_it_changes(tmp_path):
+    ctx = zmq.Context()
+    name = f"ipc://{tmp_path}/load"
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(name)
+    reporter = LoadReporter(name, dp_rank=1, ctx=ctx)
+    msg = TokenizedGenerateReqInput("r", None, [1, 2], SamplingParams(max_new_tokens=4))
+    reporter.count_received([msg, object(), msg])
+    # Queued (10 prompt tokens, 5 outputs), half prefilled, decoding (3 of 8 outputs left).
+    reqs = [_req(10, 0, 5, 0), _req(10, 5, 5, 0), _req(10, 12, 8, 5)]
+    reporter.report(reqs)
+    reporter.report(reqs)
+    assert pull.poll(1000)
+    assert pull.recv_pyobj() == RankLoad(1, 2, 3, 15 + 10 + 3)
+    assert not pull.poll(100)  # the unchanged load was not sent again
+    reporter.report([])
+    assert pull.poll(1000) and pull.recv_pyobj() == RankLoad(1, 2, 0, 0)
+    ctx.destroy(linger=0)
+
+
+def test_balance_ratio_and_stalls():
+    b = IterationBalance()
+    b.observe(4, [4, 4], has_running=True, decoded=True)
+    b.observe(0, [0, 8], has_running=True, decoded=False)  # the other rank prefills; this one waits
+    b.observe(0, [0, 0], has_running=False, decoded=False)  # all idle: not an iteration
+    state = b.internal_state()
+    assert state["balance_ratio"] == pytest.approx((4 + 4) / (4 + 8))
+    assert state["tokens_per_iteration"] == 2.0
+    assert state["stalled_iteration_fraction"] == 0.5
+    text = b.log_text()
+    assert "tok/iter: 2.0, balance: 0.67, stalled: 0.50" in text
+    # The log line covers the iterations since the previous one; the totals stay.
+    b.observe(3, None, has_running=True, decoded=True)  # without DP attention: no ratio
+    assert b.log_text() == "tok/iter: 3.0, stalled: 0.00, "
+    assert b.internal_state()["tokens_per_iteration"] == pytest.approx(7 / 3)
+
+
+def _new_seqs_per_rank(log: str) -> dict[int, int]:
+    """Requests each DP rank prefilled, from its `[... DPd TPt] Prefill batch. #new-seq: n` lines."""
+    counts = {0: 0, 1: 0}
+    for rank, n in re.findall(r"DP(\d) TP\d\] Prefill batch\. #new-seq: (\d+)", log):
+        counts[int(rank)] += int(n)
+    return counts
+
+
+@pytest.mark.parametrize("method, expected", [("minimum_tokens", {0: 1, 1: 3}), ("round_robin", {0: 2, 1: 2})])
+def test_tp2_dp2_requests_follow_the_load(tiny_llama_dir, method, expected):
+    """A long request keeps DP rank 0 busy; the short ones that follow go to rank 1 by load
+    (round-robin alternates regardless). The balance figures reach /get_server_info."""
+    args = ["--device", "cpu", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]
+    server = popen_launch_server(tiny_llama_dir, args + ["--load-balance-method", method, "--skip-server-warmup"])
+    try:
+        url = server.base_url
+
+        def generate(prompt, max_new):
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+            return requests.post(f"{url}/generate", json=body, timeout=300).json()
+
+        long = threading.Thread(target=generate, args=([5, 6, 7, 8], 400))
+        long.start()
+        deadline = time.monotonic() + 60
+        while sum(s["num_running_reqs"] for s in _internal_states(url)) == 0:
+            assert time.monotonic() < deadline, "the long request never started"
+            time.sleep(0.05)
+        shorts = [threading.Thread(target=generate, args=([10 + i, 11, 12], 4)) for i in range(3)]
+        for t in shorts:
+            t.start()
+        for t in shorts + [long]:
+            t.join(300)
+        log = server.log_tail(200000)
+        assert _new_seqs_per_rank(log) == expected
+        assert re.search(r"DP0 TP0\] Decode batch\..*tok/iter: \d+\.\d, balance: \d\.\d\d, stalled: \d\.\d\d", log)
+        states = _internal_states(url)
+        for s in states:
+            assert 0 < s["balance_ratio"] <= 1
+            assert s["tokens_per_iteration"] > 0
+            assert 0 <= s["stalled_iteration_fraction"] <= 1
+        assert states[0]["balance_ratio"] == states[1]["balance_ratio"]  # both read the same plans
+    finally:
+        kill_server(server)
+
+
+def _internal_states(url: str) -> list[dict]:
+    return requests.get(f"{url}/get_server_info", timeout=30).json()["internal_states"]
