@@ -49,6 +49,8 @@ SPECS = {
     "tree": ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
              "--speculative-num-draft-tokens", "8"],
 }
+# The idle and trained checks know which DP rank each request reaches.
+ROUND_ROBIN = ["--load-balance-method", "round_robin"]
 SHARED = ["--gpu-id-step", "0", "--cuda-graph-max-bs", "16", "--mem-fraction-static", "0.2"]
 
 
@@ -188,7 +190,8 @@ def check_idle(out: str, parallel: str, tiny: str) -> None:
         idle = [i for i in range(len(after)) if i != 1]
         return {"ok": all(replays[i] > 0 for i in idle), "replays_during_run": replays, "ranks": after}
 
-    run_server(out, f"idle ranks replay graphs {parallel} chain", tiny, [*PARALLEL[parallel], *SHARED, *SPECS["chain"]], body)
+    flags = [*PARALLEL[parallel], *SHARED, *SPECS["chain"], *ROUND_ROBIN]
+    run_server(out, f"idle ranks replay graphs {parallel} chain", tiny, flags, body)
 
 
 def check_trained(out: str, parallel: str, models: str) -> None:
@@ -225,8 +228,8 @@ def check_trained(out: str, parallel: str, models: str) -> None:
         run_server(out, f"trained {label}", path, flags, body)
 
     run("1 rank graphs", [*SPECS["chain"], "--cuda-graph-max-bs", "16"])
-    run(f"{parallel} eager", [*PARALLEL[parallel], *SHARED, *SPECS["chain"], "--disable-cuda-graph"])
-    run(f"{parallel} graphs", [*PARALLEL[parallel], *SHARED, *SPECS["chain"]])
+    run(f"{parallel} eager", [*PARALLEL[parallel], *SHARED, *SPECS["chain"], *ROUND_ROBIN, "--disable-cuda-graph"])
+    run(f"{parallel} graphs", [*PARALLEL[parallel], *SHARED, *SPECS["chain"], *ROUND_ROBIN])
     single, eager, graphs = (runs.get(k) for k in ("1 rank graphs", f"{parallel} eager", f"{parallel} graphs"))
     if single and eager and graphs:
         graphs_vs_eager = max(abs(g - e) for g, e in zip(graphs["scheduler"], eager["scheduler"]))
