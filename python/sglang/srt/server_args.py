@@ -101,7 +101,9 @@ class ServerArgs:
     enable_metrics: bool = field(default=False, metadata=_arg("Serve Prometheus metrics at /metrics."))
     random_seed: Optional[int] = field(default=None, metadata=_arg("Seed for weight init (dummy) and sampling."))
     decode_log_interval: int = field(default=40, metadata=_arg("Log a decode line every this many decode steps."))
-    debug_collectives: bool = field(default=False, metadata=_arg("Check every step that all ranks agree on the batch plan."))
+    debug_collectives: bool = field(
+        default=False, metadata=_arg("Check every step that all ranks agree on the batch plan and on what each collective moved.")
+    )
 
     def __post_init__(self) -> None:
         self._resolve_defaults()

@@ -18,6 +18,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from sglang.srt.distributed.collective_trace import CollectiveRecord, first_difference
+
 logger = logging.getLogger(__name__)
 
 
@@ -128,6 +130,17 @@ class SchedulerComm:
         if bad:
             diff = "\n".join(f"  rank {r}: {d} local={local}" for r, (d, local) in enumerate(everyone))
             raise CollectiveMismatch(f"--debug-collectives: ranks disagree on the step plan:\n{diff}")
+
+    def check_collective_traces(self, trace: list[CollectiveRecord]) -> None:
+        """--debug-collectives: what this rank's collectives moved in the iteration agrees with
+        its groups' other ranks; else raise with the first difference and both ranks' traces."""
+        if self.tp_size == 1:
+            return
+        everyone: list[Any] = [None] * self.tp_size
+        dist.all_gather_object(everyone, trace, group=self.world_cpu_group)
+        difference = first_difference(everyone, self.attn_tp_size)
+        if difference is not None:
+            raise CollectiveMismatch(f"--debug-collectives: the ranks' collectives differ: {difference}")
 
 
 class CollectiveMismatch(RuntimeError):
