@@ -116,14 +116,20 @@ class SchedulerComm:
         plans = [LocalPlan(*p.tolist()) for p in parts]
         return GlobalPlan(tuple(plans[:: self.attn_tp_size]))
 
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's obj, in rank order (picklable objects; a check's cost, not a step's)."""
+        if self.tp_size == 1:
+            return [obj]
+        everyone: list[Any] = [None] * self.tp_size
+        dist.all_gather_object(everyone, obj, group=self.world_cpu_group)
+        return everyone
+
     def check_agreement(self, descriptor: dict[str, Any], same_within_dp_group: dict[str, Any]) -> None:
-        """--debug-collectives: every rank must derive the same descriptor (modes, global sizes,
-        graph/eager), and ranks of one DP group the same local batch; else raise with a per-rank diff."""
+        """--debug-collectives: every rank must derive the same descriptor (global sizes, the
+        speculative sub-forwards), and ranks of one DP group the same local batch; else raise with a per-rank diff."""
         if self.tp_size == 1:
             return
-        mine = (descriptor, same_within_dp_group)
-        everyone: list[Any] = [None] * self.tp_size
-        dist.all_gather_object(everyone, mine, group=self.world_cpu_group)
+        everyone = self.gather_objects((descriptor, same_within_dp_group))
         bad = any(d != everyone[0][0] for d, _ in everyone) or any(
             local != everyone[r - r % self.attn_tp_size][1] for r, (_, local) in enumerate(everyone)
         )
@@ -136,9 +142,7 @@ class SchedulerComm:
         its groups' other ranks; else raise with the first difference and both ranks' traces."""
         if self.tp_size == 1:
             return
-        everyone: list[Any] = [None] * self.tp_size
-        dist.all_gather_object(everyone, trace, group=self.world_cpu_group)
-        difference = first_difference(everyone, self.attn_tp_size)
+        difference = first_difference(self.gather_objects(trace), self.attn_tp_size)
         if difference is not None:
             raise CollectiveMismatch(f"--debug-collectives: the ranks' collectives differ: {difference}")
 

@@ -24,6 +24,7 @@ from sglang.srt.distributed.scheduler_comm import (
     init_distributed,
 )
 from sglang.srt.layers.sampler import NAN_TOKEN_ID
+from sglang.srt.managers.accept_check import run_accept_check
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -141,6 +142,8 @@ class Scheduler:
         if server_args.debug_collectives and server_args.tp_size > 1:
             self.collective_recorder = CollectiveRecorder()
             set_collective_recorder(self.collective_recorder)
+        if server_args.speculative_accept_check:
+            run_accept_check(self)
 
     def init_distributed(self, port_args: PortArgs, tp_rank: int, dp_rank: Optional[int]) -> SchedulerComm:
         """torch.distributed over the ranks of this model replica, then the model-parallel groups."""
