@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import pytest
+import torch
+import torch.multiprocessing as mp
 
 from sglang.srt.managers import accept_check
 from sglang.srt.managers.accept_check import AcceptCheckFailed, PassResult, judge
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.test.inprocess_scheduler import greedy, start_scheduler
 from sglang.test.spec_models import make_perfect_deepseek_v3
 
@@ -68,3 +72,50 @@ def test_judge_names_a_mismatch_and_a_rank_that_trails():
 def test_the_flag_needs_speculation():
     with pytest.raises(ValueError, match="--speculative-accept-check needs --speculative-algorithm"):
         ServerArgs(model_path="m", device="cpu", speculative_accept_check=True)
+
+
+def _dp_rank_main(rank: int, server_args: ServerArgs, port_args: PortArgs, rank_1_accept: Optional[float], results) -> None:
+    torch.set_num_threads(1)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger(accept_check.__name__).addHandler(handler)
+    logging.getLogger(accept_check.__name__).setLevel(logging.INFO)
+    if rank == 1 and rank_1_accept is not None:  # this rank's accept length is forced
+        Scheduler.avg_spec_accept_length = lambda self: rank_1_accept
+    try:
+        start_scheduler(server_args, rank, port_args)
+        results[rank] = ("started", lines)
+    except AcceptCheckFailed as e:
+        results[rank] = ("failed", str(e))
+
+
+def _run_dp_ranks(target: str, rank_1_accept: Optional[float] = None) -> dict:
+    server_args = ServerArgs(
+        model_path=target, device="cpu", dtype="float32", tp_size=2, dp_size=2, enable_dp_attention=True,
+        chunked_prefill_size=8, max_running_requests=4, debug_collectives=True,
+        speculative_algorithm="NEXTN", speculative_accept_check=True, **CHAIN,
+    )  # fmt: skip
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_dp_rank_main, args=(server_args, PortArgs.init_new(server_args), rank_1_accept, results), nprocs=2)
+    return dict(results)
+
+
+@pytest.mark.timeout(300)
+def test_every_dp_rank_is_checked_under_dp_attention(perfect_v3):
+    results = _run_dp_ranks(perfect_v3)
+    assert results[0] == (
+        "started",
+        [
+            "Speculative accept check: DP0 eager: accept length 4.00, outputs match the non-speculative path",
+            "Speculative accept check: DP1 eager: accept length 4.00, outputs match the non-speculative path",
+        ],
+    )
+    assert results[1] == ("started", [])  # rank 0 logs for every DP rank
+
+
+@pytest.mark.timeout(300)
+def test_a_dp_rank_that_trails_fails_startup_on_every_rank(perfect_v3):
+    results = _run_dp_ranks(perfect_v3, rank_1_accept=2.5)
+    message = "--speculative-accept-check failed: DP1 eager: accept length 2.50 is more than 0.5 below the best rank's 4.00"
+    assert results == {0: ("failed", message), 1: ("failed", message)}
