@@ -172,6 +172,7 @@ def test_mmlu_script_scores_the_servers_answers(server, trained, tmp_path):
     assert result["num_requests"] == 5
     assert result["accuracy"] == round(sum(correct) / len(correct), 3)
     assert result["accept_length"] is not None  # the server speculates
+    assert result["accept_length_per_rank"] == [result["accept_length"]]  # one DP rank
     assert json.loads(open(result_file).read().splitlines()[-1])["accuracy"] == result["accuracy"]
 
 
@@ -185,8 +186,17 @@ def test_bench_serving_random_prompts(server, tmp_path):
     m = bench_serving.run_benchmark(args)
     assert m["completed"] == 4 and m["total_output_tokens"] == 20 and m["total_input_tokens"] == 32
     assert 0 < m["median_ttft_ms"] <= m["median_e2e_latency_ms"] and m["median_tpot_ms"] > 0 and m["p99_itl_ms"] > 0
-    assert 1.0 <= m["accept_length"] <= 4.0 and m["server_accept_length"] is not None
+    assert 1.0 <= m["accept_length"] <= 4.0 and m["server_accept_length_per_rank"] == [m["server_accept_length"]]
     assert json.loads(open(out_file).read())["completed"] == 4
+
+
+@pytest.mark.parametrize("per_rank, warned", [([3.69, 2.12], True), ([3.5, 3.45], False), ([3.5], False)])
+def test_bench_serving_prints_each_dp_ranks_accept_length(capsys, per_rank, warned):
+    assert bench_serving.report_accept_lengths(per_rank) == pytest.approx(sum(per_rank) / len(per_rank))
+    out = capsys.readouterr().out
+    assert "Accept length per DP rank: " + ", ".join(f"DP{i} {v:.2f}" for i, v in enumerate(per_rank)) in out
+    assert ("WARNING: the DP ranks' accept lengths differ by 1.57 (more than 0.1)" in out) == warned
+    assert ("WARNING" in out) == warned
 
 
 @pytest.mark.parametrize("ratio, low", [(0.0, 1), (0.5, 32)])

@@ -22,7 +22,7 @@ from typing import Optional
 
 import requests
 
-from sglang.bench_serving import server_accept_length
+from sglang.bench_serving import report_accept_lengths, server_accept_lengths
 
 CHOICES = "ABCD"
 
@@ -100,9 +100,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         mine = [c for c, s in zip(correct, owner) if s == subject]
         print(f"Average accuracy {sum(mine) / len(mine):.3f} - {subject}")
     accuracy = sum(correct) / len(correct)
-    accept = server_accept_length(base_url)
+    per_rank = server_accept_lengths(base_url)
     print(f"Total latency: {latency:.3f} s")
     print(f"Average accuracy: {accuracy:.3f}")
+    accept = report_accept_lengths(per_rank)
     if accept is not None:
         print(f"Accept length: {accept:.3f}")
     result = {
@@ -112,6 +113,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "accuracy": round(accuracy, 3),
         "num_requests": len(prompts),
         "accept_length": accept,
+        "accept_length_per_rank": per_rank,
         "other": {"nsub": len(subjects), "ntrain": args.ntrain, "parallel": args.parallel},
     }
     if args.result_file:

@@ -12,7 +12,8 @@ requests in flight. Reports TTFT, TPOT (per request, (latency - TTFT) / (output 
 (between stream chunks; with speculation one chunk can carry several tokens) and E2E
 latency as mean / median / p99, request and token throughput, and the accept length: of
 this run (tokens after the first / verify steps, summed over requests) and the server's
-since startup (/get_server_info, mean over DP ranks, warm-up requests included).
+since startup (/get_server_info, warm-up requests included): per DP rank, with a warning
+when the ranks differ by more than 0.1, and their mean.
 """
 
 from __future__ import annotations
@@ -189,11 +190,30 @@ def _stats(name: str, values: list[float], scale: float = 1e3) -> dict[str, floa
     }
 
 
-def server_accept_length(base_url: str) -> Optional[float]:
-    """Mean over DP ranks of avg_spec_accept_length since startup; None without speculation."""
+ACCEPT_LENGTH_SPREAD = 0.1  # DP ranks whose accept lengths differ by more get a warning
+
+
+def server_accept_lengths(base_url: str) -> Optional[list[float]]:
+    """Each DP rank's avg_spec_accept_length since startup (/get_server_info's internal_states,
+    in DP-rank order); None without speculation."""
     states = requests.get(f"{base_url}/get_server_info", timeout=30).json()["internal_states"]
     values = [s["avg_spec_accept_length"] for s in states if s.get("avg_spec_accept_length") is not None]
-    return statistics.fmean(values) if values else None
+    return values or None
+
+
+def report_accept_lengths(per_rank: Optional[list[float]]) -> Optional[float]:
+    """Print each DP rank's accept length, warn when they differ by more than
+    ACCEPT_LENGTH_SPREAD; returns their mean (None without speculation)."""
+    if per_rank is None:
+        return None
+    print("Accept length per DP rank: " + ", ".join(f"DP{i} {v:.2f}" for i, v in enumerate(per_rank)))
+    if max(per_rank) - min(per_rank) > ACCEPT_LENGTH_SPREAD:
+        print(
+            f"WARNING: the DP ranks' accept lengths differ by {max(per_rank) - min(per_rank):.2f} "
+            f"(more than {ACCEPT_LENGTH_SPREAD}): a rank speculates worse than the others",
+            flush=True,
+        )
+    return statistics.fmean(per_rank)
 
 
 def summarize(args: argparse.Namespace, results: list[RequestResult], duration: float, base_url: str) -> dict[str, Any]:
@@ -203,6 +223,7 @@ def summarize(args: argparse.Namespace, results: list[RequestResult], duration: 
     speculated = [r for r in done if r.spec_verify_ct]
     verify_steps = sum(r.spec_verify_ct for r in speculated)
     verify_tokens = sum(r.completion_tokens - 1 for r in speculated)
+    per_rank = server_accept_lengths(base_url)
     metrics: dict[str, Any] = {
         "backend": args.backend,
         "dataset_name": args.dataset_name,
@@ -218,7 +239,8 @@ def summarize(args: argparse.Namespace, results: list[RequestResult], duration: 
         "input_throughput": sum(r.prompt_tokens for r in done) / duration,
         "output_throughput": out_tokens / duration,
         "accept_length": verify_tokens / verify_steps if verify_steps else None,
-        "server_accept_length": server_accept_length(base_url),
+        "server_accept_length": report_accept_lengths(per_rank),
+        "server_accept_length_per_rank": per_rank,
     }
     metrics.update(_stats("ttft", [r.ttft for r in done]))
     metrics.update(_stats("tpot", [(r.latency - r.ttft) / (r.completion_tokens - 1) for r in done if r.completion_tokens > 1]))

@@ -96,6 +96,7 @@ class ServerArgs:
     speculative_num_steps: Optional[int] = field(default=None, metadata=_arg("Draft steps per cycle."))
     speculative_eagle_topk: Optional[int] = field(default=None, metadata=_arg("Branching factor of the draft tree per step."))
     speculative_num_draft_tokens: Optional[int] = field(default=None, metadata=_arg("Tokens verified per request per cycle."))
+    speculative_accept_check: bool = field(default=False, metadata=_arg("At startup, run a fixed prompt set speculatively (with and without CUDA graphs) on every DP rank; fail unless the outputs equal the non-speculative ones and no rank's accept length falls behind the others."))
 
     # Observability
     log_level: str = field(default="info", metadata=_arg("Logging level.", choices=("debug", "info", "warning", "error")))
@@ -103,7 +104,9 @@ class ServerArgs:
     enable_metrics: bool = field(default=False, metadata=_arg("Serve Prometheus metrics at /metrics."))
     random_seed: Optional[int] = field(default=None, metadata=_arg("Seed for weight init (dummy) and sampling."))
     decode_log_interval: int = field(default=40, metadata=_arg("Log a decode line every this many decode steps."))
-    debug_collectives: bool = field(default=False, metadata=_arg("Check every step that all ranks agree on the batch plan."))
+    debug_collectives: bool = field(
+        default=False, metadata=_arg("Check every step that all ranks agree on the batch plan and on what each collective moved.")
+    )
 
     def __post_init__(self) -> None:
         self._resolve_defaults()
@@ -226,6 +229,7 @@ class ServerArgs:
         }
         if self.speculative_algorithm is None:
             given = [k for k, v in spec_flags.items() if v is not None]
+            given += ["--speculative-accept-check"] if self.speculative_accept_check else []
             if given:
                 raise ValueError(f"{given[0]} needs --speculative-algorithm")
             return

@@ -25,7 +25,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from sglang.srt.distributed.collective_trace import ATTN_TP, CollectiveRecorder
 from sglang.srt.distributed.ipc_collectives import IpcCommunicator, MessageTooLarge
+
+# --debug-collectives only (set_collective_recorder); None costs each collective one test.
+_recorder: Optional[CollectiveRecorder] = None
 
 
 def use_ipc(nbytes: int, slot_bytes: Optional[int], ipc_only: bool) -> bool:
@@ -54,6 +58,7 @@ class ParallelGroup:
     cpu_group: Optional[dist.ProcessGroup] = None  # gloo, the same ranks
     ipc: Optional[IpcCommunicator] = None
     ipc_only: bool = False  # GPU collectives must go through `ipc` (ranks share a GPU: no NCCL)
+    name: str = "tp"  # how --debug-collectives records name the group
 
     def _use_ipc(self, x: torch.Tensor) -> bool:
         on_ipc_device = self.ipc is not None and x.device == self.ipc.device
@@ -65,6 +70,8 @@ class ParallelGroup:
         """Sum x over the group, in place."""
         if self.size == 1:
             return x
+        if _recorder is not None:
+            _recorder.record(self.name, "all_reduce", x)
         if self._use_ipc(x):
             return self.ipc.all_reduce(x)
         dist.all_reduce(x, group=self.group)
@@ -74,6 +81,8 @@ class ParallelGroup:
         """Concatenate each rank's x along dim, in rank order."""
         if self.size == 1:
             return x
+        if _recorder is not None:
+            _recorder.record(self.name, f"all_gather({dim})", x)
         if self._use_ipc(x):
             return self.ipc.all_gather(x, dim)
         parts = [torch.empty_like(x) for _ in range(self.size)]
@@ -109,7 +118,7 @@ def initialize_model_parallel(
     global _state
     if not dist.is_initialized():
         tp = ParallelGroup(tp_size, tp_rank)
-        _state = _State(tp, ParallelGroup(attn_tp_size, tp_rank % attn_tp_size), dp)
+        _state = _State(tp, ParallelGroup(attn_tp_size, tp_rank % attn_tp_size, name=ATTN_TP), dp)
         return
     if dist.get_world_size() != tp_size:
         raise ValueError(f"world size {dist.get_world_size()} != tp_size {tp_size}")
@@ -128,7 +137,7 @@ def initialize_model_parallel(
                 attn_group, attn_cpu_group = g, g_cpu
     _state = _State(
         ParallelGroup(tp_size, tp_rank, tp_group, cpu_group, ipc_only=ipc_only),
-        ParallelGroup(attn_tp_size, tp_rank % attn_tp_size, attn_group, attn_cpu_group, ipc_only=ipc_only),
+        ParallelGroup(attn_tp_size, tp_rank % attn_tp_size, attn_group, attn_cpu_group, ipc_only=ipc_only, name=ATTN_TP),
         dp,
         cpu_group,
     )
@@ -145,6 +154,18 @@ def init_ipc_collectives(tp_slot_bytes: int, attn_tp_slot_bytes: int, device: to
         attn.ipc = tp.ipc
     elif attn.size > 1:
         attn.ipc = IpcCommunicator(attn.rank, attn.size, attn_tp_slot_bytes, device, attn.cpu_group)
+
+
+def set_collective_recorder(recorder: Optional[CollectiveRecorder]) -> None:
+    """--debug-collectives: record every collective of this process's groups (None: stop)."""
+    global _recorder
+    _recorder = recorder
+
+
+def record_graph_replay(key: object) -> None:
+    """A CUDA graph replay runs its collectives without Python: its key stands for them."""
+    if _recorder is not None:
+        _recorder.record_graph(key)
 
 
 def get_tp() -> ParallelGroup:

@@ -18,6 +18,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from sglang.srt.distributed.collective_trace import CollectiveRecord, first_difference
+
 logger = logging.getLogger(__name__)
 
 
@@ -114,20 +116,35 @@ class SchedulerComm:
         plans = [LocalPlan(*p.tolist()) for p in parts]
         return GlobalPlan(tuple(plans[:: self.attn_tp_size]))
 
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's obj, in rank order (picklable objects; a check's cost, not a step's)."""
+        if self.tp_size == 1:
+            return [obj]
+        everyone: list[Any] = [None] * self.tp_size
+        dist.all_gather_object(everyone, obj, group=self.world_cpu_group)
+        return everyone
+
     def check_agreement(self, descriptor: dict[str, Any], same_within_dp_group: dict[str, Any]) -> None:
-        """--debug-collectives: every rank must derive the same descriptor (modes, global sizes,
-        graph/eager), and ranks of one DP group the same local batch; else raise with a per-rank diff."""
+        """--debug-collectives: every rank must derive the same descriptor (global sizes, the
+        speculative sub-forwards), and ranks of one DP group the same local batch; else raise with a per-rank diff."""
         if self.tp_size == 1:
             return
-        mine = (descriptor, same_within_dp_group)
-        everyone: list[Any] = [None] * self.tp_size
-        dist.all_gather_object(everyone, mine, group=self.world_cpu_group)
+        everyone = self.gather_objects((descriptor, same_within_dp_group))
         bad = any(d != everyone[0][0] for d, _ in everyone) or any(
             local != everyone[r - r % self.attn_tp_size][1] for r, (_, local) in enumerate(everyone)
         )
         if bad:
             diff = "\n".join(f"  rank {r}: {d} local={local}" for r, (d, local) in enumerate(everyone))
             raise CollectiveMismatch(f"--debug-collectives: ranks disagree on the step plan:\n{diff}")
+
+    def check_collective_traces(self, trace: list[CollectiveRecord]) -> None:
+        """--debug-collectives: what this rank's collectives moved in the iteration agrees with
+        its groups' other ranks; else raise with the first difference and both ranks' traces."""
+        if self.tp_size == 1:
+            return
+        difference = first_difference(self.gather_objects(trace), self.attn_tp_size)
+        if difference is not None:
+            raise CollectiveMismatch(f"--debug-collectives: the ranks' collectives differ: {difference}")
 
 
 class CollectiveMismatch(RuntimeError):

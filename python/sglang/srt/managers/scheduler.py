@@ -14,7 +14,8 @@ import torch
 import zmq
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.distributed.parallel_state import initialize_model_parallel
+from sglang.srt.distributed.collective_trace import CollectiveRecorder
+from sglang.srt.distributed.parallel_state import initialize_model_parallel, set_collective_recorder
 from sglang.srt.distributed.scheduler_comm import (
     CollectiveMismatch,
     GlobalPlan,
@@ -24,6 +25,7 @@ from sglang.srt.distributed.scheduler_comm import (
 )
 from sglang.srt.layers.sampler import NAN_TOKEN_ID
 from sglang.srt.managers.dp_load import LoadReporter
+from sglang.srt.managers.accept_check import run_accept_check
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -141,6 +143,13 @@ class Scheduler:
             self.send_to_detokenizer.connect(port_args.detokenizer_ipc_name)
             self.send_to_tokenizer = ctx.socket(zmq.PUSH)
             self.send_to_tokenizer.connect(port_args.tokenizer_ipc_name)
+        # --debug-collectives: what the model's collectives moved, compared after each iteration.
+        self.collective_recorder: Optional[CollectiveRecorder] = None
+        if server_args.debug_collectives and server_args.tp_size > 1:
+            self.collective_recorder = CollectiveRecorder()
+            set_collective_recorder(self.collective_recorder)
+        if server_args.speculative_accept_check:
+            run_accept_check(self)
 
     def init_distributed(self, port_args: PortArgs, tp_rank: int, dp_rank: Optional[int]) -> SchedulerComm:
         """torch.distributed over the ranks of this model replica, then the model-parallel groups."""
@@ -204,6 +213,8 @@ class Scheduler:
         if self.load_reporter is not None:
             self.load_reporter.count_received(msgs)
             self.load_reporter.report(self.waiting + self.running + ([self.chunked_req] if self.chunked_req else []))
+        if self.collective_recorder is not None:
+            self.comm.check_collective_traces(self.collective_recorder.take())
 
     def can_overlap(self) -> bool:
         """Whether the next batch may be scheduled before the step in flight reaches the host:
@@ -251,9 +262,7 @@ class Scheduler:
         batch.global_num_tokens = plan.global_num_tokens
         batch.global_forward_mode = ForwardMode.EXTEND if plan.any_extend else ForwardMode.DECODE
         if self.server_args.debug_collectives:
-            graphs = self.runner.graph_runner
-            key = graphs.dp_key(batch.global_forward_mode, plan.global_num_tokens) if graphs else None
-            descriptor = {"global_num_tokens": plan.global_num_tokens, "cuda_graph": str(key)}
+            descriptor = {"global_num_tokens": plan.global_num_tokens}
             if self.spec_worker is not None:
                 descriptor["sub_forwards"] = self.spec_worker.planned_sub_forwards(plan)
             self.comm.check_agreement(

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union, runtime_c
 
 import torch
 
+from sglang.srt.distributed.parallel_state import record_graph_replay
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.mem_cache.memory_pool import DUMMY_KV_SLOT, DUMMY_REQ_ROW
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
@@ -484,6 +485,7 @@ class CudaGraphRunner:
         self.inputs.fill(fb, key, mode)
         self.graphs[key].replay()
         self.num_replays += 1
+        record_graph_replay(key)
         outs = tuple(buffer[: fb.batch_size * per_req] for buffer, per_req in self.outputs[key.mode])
         if not mode.outputs_as_views:
             outs = tuple(t.clone() for t in outs)
