@@ -185,6 +185,15 @@ def _gather_worker(rank: int, world: int, dp: int) -> None:
     too_many = torch.zeros(sizes[dp_rank] + 1, 3)
     with pytest.raises(ValueError, match="local rows"):
         dp_gather(too_many, sizes, buffer)
+    # One rank wrong alone: it still joins the all-reduce before raising, so its peer is not
+    # left waiting, and both stay in step for the next collective.
+    local = torch.ones(sizes[dp_rank] + (dp_rank == 1), 3)
+    if dp_rank == 1:
+        with pytest.raises(ValueError, match="local rows"):
+            dp_gather(local, sizes, buffer)
+    else:
+        dp_gather(local, sizes, buffer)
+    torch.testing.assert_close(dp_gather(torch.ones(sizes[dp_rank], 3), sizes, buffer), torch.ones(sum(sizes), 3))
 
 
 @pytest.mark.timeout(120)

@@ -53,16 +53,18 @@ def dp_gather(local: torch.Tensor, global_num_tokens: list[int], buffer: torch.T
     rank 0 only (the other attention-TP ranks hold the same rows). Every rank must call it.
     """
     start, end = _local_range(global_num_tokens)
-    if local.shape[0] != end - start:
-        raise ValueError(f"local rows {local.shape[0]} != global_num_tokens[dp_rank] {end - start}")
     total = sum(global_num_tokens)
-    if total > buffer.shape[0]:
+    if total > buffer.shape[0]:  # the same sizes on every rank: all of them raise here
         raise ValueError(f"{total} gathered rows exceed the gathered buffer's {buffer.shape[0]}")
     out = buffer[:total]
     out.zero_()
-    if get_attn_tp_rank() == 0:
+    rows_ok = local.shape[0] == end - start
+    if rows_ok and get_attn_tp_rank() == 0:
         out[start:end].copy_(local)
-    return tensor_model_parallel_all_reduce(out)
+    tensor_model_parallel_all_reduce(out)  # joined even by a rank about to fail: no peer waits for it
+    if not rows_ok:
+        raise ValueError(f"local rows {local.shape[0]} != global_num_tokens[dp_rank] {end - start}")
+    return out
 
 
 def dp_scatter(global_out: torch.Tensor, global_num_tokens: list[int]) -> torch.Tensor:
