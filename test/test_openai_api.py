@@ -96,7 +96,8 @@ def test_models_and_errors(client, server):
         client.completions.create(model=SERVED_NAME, prompt="x", max_tokens=10**6)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong").models.list()
-    assert requests.get(server.base_url + "/health", timeout=10).status_code == 401
+    assert requests.get(server.base_url + "/v1/models", timeout=10).status_code == 401
+    assert requests.get(server.base_url + "/health", timeout=10).status_code == 200  # probes need no key
 
 
 def test_generate_native(server):
