@@ -80,7 +80,7 @@ def test_greedy_equals_single_rank(model_and_reference, args):
 
 def test_dp_attention_uneven_load_and_plan_sync(model_and_reference):
     path, reference = model_and_reference
-    args = ["--device", "cpu", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]
+    args = ["--device", "cpu", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--load-balance-method", "round_robin"]
     server = popen_launch_server(path, args + ["--chunked-prefill-size", "4"])
     try:
         results = {}

@@ -268,6 +268,7 @@ def test_http_staggered_arrivals_and_per_rank_accept_length(deepseek, deepseek_r
     args += spec + ["--chunked-prefill-size", str(CHUNK), "--decode-log-interval", "1", "--debug-collectives"]
     # Each DP rank holds its late arrivals back for up to 2 cycles of its own decoding.
     args += ["--num-continuous-decode-steps", "2"]
+    args += ["--load-balance-method", "round_robin"]  # both ranks decode: each logs its accept length
     server = popen_launch_server(deepseek, args)
     try:
         results: dict[str, Optional[list[int]]] = {}
@@ -277,7 +278,7 @@ def test_http_staggered_arrivals_and_per_rank_accept_length(deepseek, deepseek_r
             body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
             results[rid] = requests.post(f"{server.base_url}/generate", json=body, timeout=120).json()["output_ids"]
 
-        # The controller spreads them over the DP ranks; later ones land while others decode.
+        # Round robin over the DP ranks; later ones land while others decode.
         threads = [threading.Thread(target=send, args=(rid, p, n, 0.4 * i)) for i, (_, _, rid, p, n) in enumerate(run)]
         for t in threads:
             t.start()
