@@ -18,6 +18,9 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tupl
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        # Every rank done before any tears its groups down: gloo aborts the process (SIGABRT,
+        # "terminate called without an active exception") when a peer leaves mid-teardown.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
