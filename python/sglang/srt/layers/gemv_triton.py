@@ -32,6 +32,7 @@ import triton.language as tl
 from sglang.srt.layers.fused_ops import cache_line_elems, pdl_launch, prefetch_l2, signals_dependents, silu_mul
 from sglang.srt.layers.tuned import load_table
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
+from sglang.srt.utils.triton_precision import dot_precision
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,7 @@ def gemv(
             HAS_BIAS=bias is not None, GATED=gated, MASK_K=k % config.block_k != 0,
             BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             NUM_STAGES=config.num_stages, USE_DOT=config.use_dot,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 as cuBLAS without TF32
+            DOT_PRECISION=dot_precision(x.dtype),
             PDL=pdl, PREFETCH_LINES=next_power_of_2(cdiv(min(k, _PREFETCH_STEPS * config.block_k), line)),
             LINE_ELEMS=line,
             num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(pdl),

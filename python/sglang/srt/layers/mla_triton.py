@@ -26,6 +26,7 @@ import triton.language as tl
 
 from sglang.srt.layers.fused_ops import _rotate_head, _weighted_rms_norm, pdl_launch, signals_dependents
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
+from sglang.srt.utils.triton_precision import dot_precision
 
 HEAD_MATMUL_MAX_TOKENS = 16  # one tl.dot row tile; larger batches take torch.bmm
 
@@ -128,6 +129,7 @@ def _head_matmul_kernel(
     a_ptr, b_ptr, c_ptr, num_tokens, K, N,
     stride_at, stride_ah, stride_ak, stride_bh, stride_bk, stride_bn, stride_ct, stride_ch, stride_cn,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # Program (h, j): columns [j * BLOCK_N, (j + 1) * BLOCK_N) of head h for every token.
     # PDL: launched before the previous kernel ends, it lets the next kernel launch too, loads
@@ -150,7 +152,7 @@ def _head_matmul_kernel(
             mask=valid_t[:, None] & (offs_k < K)[None, :],
             other=0.0,
         )
-        acc += tl.dot(a, b)
+        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         b = _head_matmul_b_tile(b_ptr + h * stride_bh, k0 + BLOCK_K, K, offs_n, valid_n, stride_bk, stride_bn, BLOCK_K)
     tl.store(
         c_ptr + toks[:, None] * stride_ct + h * stride_ch + offs_n[None, :] * stride_cn,
@@ -174,6 +176,6 @@ def head_matmul_triton(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> N
     _head_matmul_kernel[(num_heads, cdiv(n_dim, block_n))](
         a, b, out, num_tokens, k_dim, n_dim,
         *a.stride(), *b.stride(), *out.stride(),
-        BLOCK_T=16, BLOCK_K=block_k, BLOCK_N=block_n, PDL=pdl,
+        BLOCK_T=16, BLOCK_K=block_k, BLOCK_N=block_n, PDL=pdl, DOT_PRECISION=dot_precision(a.dtype),
         num_warps=4, **pdl_launch(pdl),
     )

@@ -18,6 +18,7 @@ import triton.language as tl
 from sglang.srt.layers.moe.fused_moe_gemv import moe_gemv
 from sglang.srt.layers.moe.kernel_config import GemmTile, MoeKernelConfig, kernel_config
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
+from sglang.srt.utils.triton_precision import dot_precision
 
 
 # One program aligns up to this many (token, slot) pairs in registers (decode batches up to
@@ -158,7 +159,7 @@ def _grouped_gemm_kernel(
     num_pairs, N, K,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn,
     NUM_EXPERTS: tl.constexpr, ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """C[pair, n] = A[pair // ROWS_PER_A] . W[expert, n] for the pairs of one sorted block.
 
@@ -189,12 +190,12 @@ def _grouped_gemm_kernel(
             )
             w_mask = valid_k[:, None] & valid_n[None, :]
             w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
-            acc += tl.dot(a, w)
+            acc += tl.dot(a, w, input_precision=DOT_PRECISION)
             if GATED:
                 w_up = tl.load(
                     w_base + (offs_n[None, :] + N) * stride_wn + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0
                 )
-                acc_up += tl.dot(a, w_up)
+                acc_up += tl.dot(a, w_up, input_precision=DOT_PRECISION)
         if GATED:
             acc = acc * tl.sigmoid(acc) * acc_up
         if MUL_WEIGHT:
@@ -225,7 +226,7 @@ def _grouped_gemm(
         c.shape[0], n_out, k_in,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
         NUM_EXPERTS=w.shape[0], ROWS_PER_A=rows_per_a, GATED=gated, MUL_WEIGHT=not gated,
-        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, DOT_PRECISION=dot_precision(a.dtype),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 

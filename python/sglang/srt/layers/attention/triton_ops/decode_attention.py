@@ -22,6 +22,7 @@ import triton.language as tl
 from sglang.srt.layers.attention.triton_ops.common import HeadDimTiling
 from sglang.srt.layers.fused_ops import cache_line_elems, pdl_launch, prefetch_l2, signals_dependents
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
+from sglang.srt.utils.triton_precision import dot_precision
 
 MAX_KV_SPLITS = 16  # grid size along the split axis (a power of two: stage 2 tiles it)
 MIN_TOKENS_PER_SPLIT = 64
@@ -63,7 +64,7 @@ def _decode_stage1_kernel(
     LK: tl.constexpr, LV: tl.constexpr, D_MAIN: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_SCALE: tl.constexpr,
-    PDL: tl.constexpr, K_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+    PDL: tl.constexpr, K_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -117,14 +118,14 @@ def _decode_stage1_kernel(
             mask=valid_n[None, :] & (offs_d[:, None] < D_MAIN),
             other=0.0,
         )
-        qk = tl.dot(q, k.to(q.dtype))
+        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)
         if BLOCK_DPE > 0:
             k_pe = tl.load(
                 K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_pe[:, None],
                 mask=valid_n[None, :] & (offs_pe[:, None] < LK),
                 other=0.0,
             )
-            qk += tl.dot(q_pe, k_pe.to(q_pe.dtype))
+            qk += tl.dot(q_pe, k_pe.to(q_pe.dtype), input_precision=DOT_PRECISION)
         qk = tl.where(valid_n[None, :], qk * qk_scale, float("-inf"))
         # Every block has a valid column, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -135,7 +136,7 @@ def _decode_stage1_kernel(
             mask=valid_n[:, None] & (offs_dv[None, :] < LV),
             other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
@@ -218,7 +219,7 @@ def decode_attention(
         LK=lk, LV=lv, D_MAIN=tiling.d_main,
         BLOCK_D=tiling.block_d, BLOCK_DPE=tiling.block_dpe, BLOCK_DV=tiling.block_dv,
         BLOCK_H=BLOCK_H, BLOCK_N=tile.block_n, SPLIT_SCALE=split_scale,
-        PDL=pdl, K_LINES=next_power_of_2(cdiv(lk, line)), LINE_ELEMS=line,
+        PDL=pdl, K_LINES=next_power_of_2(cdiv(lk, line)), LINE_ELEMS=line, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_launch(pdl),
     )
     _decode_stage2_kernel[(bs, num_heads)](

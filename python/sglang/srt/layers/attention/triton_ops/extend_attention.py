@@ -17,6 +17,7 @@ import triton.language as tl
 
 from sglang.srt.layers.attention.triton_ops.common import HeadDimTiling
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
+from sglang.srt.utils.triton_precision import dot_precision
 
 LOG2E = 1.4426950408889634
 
@@ -30,6 +31,7 @@ def _extend_kernel(
     LK: tl.constexpr, LV: tl.constexpr, D_MAIN: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_MASK: tl.constexpr, PACK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # PACK query heads of one KV head share a program: tile row g holds token g // PACK of
     # head first_head + g % PACK, so short queries (trees) fill the tile and read K/V once.
@@ -83,14 +85,14 @@ def _extend_kernel(
                 mask=valid_n[None, :] & (offs_d[:, None] < D_MAIN),
                 other=0.0,
             )
-            qk = tl.dot(q, k.to(q.dtype))
+            qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)
             if BLOCK_DPE > 0:
                 k_pe = tl.load(
                     K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_pe[:, None],
                     mask=valid_n[None, :] & (offs_pe[:, None] < LK),
                     other=0.0,
                 )
-                qk += tl.dot(q_pe, k_pe.to(q_pe.dtype))
+                qk += tl.dot(q_pe, k_pe.to(q_pe.dtype), input_precision=DOT_PRECISION)
             visible = valid_m[:, None] & valid_n[None, :]
             if USE_MASK:
                 in_tree = offs_n[None, :] >= tree_start
@@ -111,7 +113,7 @@ def _extend_kernel(
                 mask=valid_n[:, None] & (offs_dv[None, :] < LV),
                 other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
 
@@ -179,5 +181,6 @@ def extend_attention(
         LK=lk, LV=lv, D_MAIN=tiling.d_main,
         BLOCK_D=tiling.block_d, BLOCK_DPE=tiling.block_dpe, BLOCK_DV=tiling.block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, USE_MASK=use_mask, PACK=pack,
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=1,
     )
