@@ -178,7 +178,8 @@ def check_perfect(out: str, parallel: str, perfect: str) -> None:
         accepts = [s["avg_spec_accept_length"] for s in states]
         return {"ok": all(a == 4.0 for a in accepts), "accept_per_rank": accepts, "log": server.log_accept_lines()}
 
-    run_server(out, f"perfect draft {parallel} chain graphs", perfect, [*PARALLEL[parallel], *SHARED, *SPECS["chain"]], body)
+    flags = [*PARALLEL[parallel], *SHARED, *SPECS["chain"], "--decode-log-interval", "5"]  # a short run logs too
+    run_server(out, f"perfect draft {parallel} chain graphs", perfect, flags, body)
 
 
 def check_idle(out: str, parallel: str, tiny: str) -> None:
