@@ -12,7 +12,9 @@ import pytest
 import requests
 import zmq
 
+from sglang.srt.distributed.scheduler_comm import GlobalPlan, LocalPlan
 from sglang.srt.managers.dp_load import LoadBalancer, LoadReporter, RankLoad
+from sglang.srt.managers.dp_prefill_align import PrefillHold, prefill_allowed
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler_balance import IterationBalance
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -167,3 +169,78 @@ def test_tp2_dp2_requests_follow_the_load(tiny_llama_dir, method, expected):
 
 def _internal_states(url: str) -> list[dict]:
     return requests.get(f"{url}/get_server_info", timeout=30).json()["internal_states"]
+
+
+def _plan(*ranks: tuple[int, int, int, int]) -> GlobalPlan:
+    """A previous iteration's plan from (num_reqs, is_extend, has_work, prefill_wait) per rank."""
+    return GlobalPlan(tuple(LocalPlan(num_tokens=n, num_reqs=n, is_extend=e, has_work=w, prefill_wait=p) for n, e, w, p in ranks))
+
+
+def test_prefill_alignment_rule():
+    decoding, waiting = (4, 0, 1, 0), (0, 0, 1, 1)
+    assert prefill_allowed(None, 4)  # the first iteration
+    assert prefill_allowed(_plan(decoding, waiting), 0)  # alignment off
+    assert not prefill_allowed(_plan(decoding, waiting), 4)  # rank 1 holds while rank 0 decodes
+    assert prefill_allowed(_plan(decoding, (0, 0, 1, 4)), 4)  # ... for at most 4 iterations
+    assert prefill_allowed(_plan((4, 0, 1, 2), waiting), 4)  # both want to prefill
+    assert prefill_allowed(_plan(decoding, waiting, (0, 0, 0, 0)), 4) is False  # an idle rank does not count
+    assert prefill_allowed(_plan((0, 0, 0, 0), waiting), 4)  # nobody decodes: nothing to delay
+    assert prefill_allowed(_plan((3, 1, 1, 4), waiting), 4)  # rank 0's chunked prompt goes on
+
+
+def test_two_ranks_prefill_together():
+    """Rank 1 holds its request until rank 0 also has one, then both prefill in one iteration;
+    alone, rank 1 waits exactly align_iters iterations."""
+    align = 3
+    holds = [PrefillHold(align), PrefillHold(align)]
+    previous = _plan((4, 0, 1, 0), (4, 0, 1, 0))
+    waiting = [False, True]
+    arrivals = {2: 0}  # rank 0 gets a request in iteration 2
+    prefilled_at: dict[int, int] = {}
+    for it in range(6):
+        if it in arrivals:
+            waiting[arrivals[it]] = True
+        allowed = prefill_allowed(previous, align)
+        ranks = []
+        for r in range(2):
+            prefills = allowed and waiting[r]
+            if prefills:
+                prefilled_at[r], waiting[r] = it, False
+            wait = holds[r].report(wants_prefill=waiting[r], prefilled=prefills, continues_chunk=False)
+            ranks.append((4, int(prefills), 1, wait))
+        previous = _plan(*ranks)
+    assert prefilled_at == {0: 3, 1: 3}
+    alone = PrefillHold(align)
+    previous = _plan((4, 0, 1, 0), (4, 0, 1, 0))
+    for it in range(10):
+        if prefill_allowed(previous, align):
+            break
+        previous = _plan((4, 0, 1, 0), (4, 0, 1, alone.report(wants_prefill=True, prefilled=False, continues_chunk=False)))
+    assert it == align and alone.total_held_iters == align
+
+
+def test_tp2_dp2_prefill_waits_for_alignment(tiny_llama_dir):
+    """A request reaching DP rank 1 while rank 0 decodes a long one is held
+    --dp-prefill-align-iters iterations, then served with the right tokens."""
+    args = ["--device", "cpu", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--skip-server-warmup"]
+    server = popen_launch_server(tiny_llama_dir, args + ["--load-balance-method", "round_robin", "--dp-prefill-align-iters", "6"])
+    try:
+        url = server.base_url
+
+        def generate(prompt, max_new):
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+            return requests.post(f"{url}/generate", json=body, timeout=300).json()["output_ids"]
+
+        long = threading.Thread(target=generate, args=([5, 6, 7, 8], 300))
+        long.start()
+        deadline = time.monotonic() + 60
+        while sum(s["num_running_reqs"] for s in _internal_states(url)) == 0:
+            assert time.monotonic() < deadline, "the long request never started"
+            time.sleep(0.05)
+        held = generate([10, 11, 12], 5)  # round robin: DP rank 1
+        waits = [s["prefill_wait_iterations"] for s in _internal_states(url)]
+        long.join(300)
+        assert waits == [0, 6]  # per DP rank
+        assert held == generate([10, 11, 12], 5)  # alone: prefilled at once, the same tokens
+    finally:
+        kill_server(server)

@@ -81,6 +81,7 @@ class ServerArgs:
     tp_size: int = field(default=1, metadata=_arg("Tensor-parallel size.", flags=("--tensor-parallel-size", "--tp-size")))
     dp_size: int = field(default=1, metadata=_arg("Data-parallel size.", flags=("--data-parallel-size", "--dp-size")))
     enable_dp_attention: bool = field(default=False, metadata=_arg("Data-parallel attention with tensor-parallel MLP/MoE."))
+    dp_prefill_align_iters: int = field(default=0, metadata=_arg("DP attention: a rank with requests to prefill may hold them while its peers decode, for up to this many iterations, until the other ranks want to prefill too, so that one prefill iteration serves several ranks (0: prefill at once)."))
     load_balance_method: Optional[str] = field(default=None, metadata=_arg("How the DP controller picks a DP rank for each request: ranks in turn, fewest outstanding requests, or fewest outstanding tokens (prompt not yet prefilled plus max_new_tokens not yet generated); defaults to minimum_tokens with --enable-dp-attention, else round_robin.", choices=LOAD_BALANCE_METHODS))
     dist_init_addr: Optional[str] = field(default=None, metadata=_arg("host:port of rank 0 for torch.distributed across nodes."))
     nnodes: int = field(default=1, metadata=_arg("Number of nodes."))
@@ -192,6 +193,8 @@ class ServerArgs:
             raise ValueError(f"--chunked-prefill-size must be -1 or positive, got {self.chunked_prefill_size}")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
+        if self.dp_prefill_align_iters < 0:
+            raise ValueError(f"--dp-prefill-align-iters must be >= 0, got {self.dp_prefill_align_iters}")
         if self.num_continuous_decode_steps < 1:
             raise ValueError(f"--num-continuous-decode-steps must be >= 1, got {self.num_continuous_decode_steps}")
         if self.page_size < 1:

@@ -40,6 +40,7 @@ class LocalPlan:
     num_reqs: int = 0
     is_extend: int = 0  # 1 when this rank runs a prefill batch
     has_work: int = 0  # 1 when this rank holds requests (queued, running or in flight)
+    prefill_wait: int = 0  # iterations this rank has held prefills (managers/dp_prefill_align.py)
 
     @classmethod
     def width(cls) -> int:

@@ -25,6 +25,7 @@ from sglang.srt.distributed.scheduler_comm import (
 )
 from sglang.srt.layers.sampler import NAN_TOKEN_ID
 from sglang.srt.managers.dp_load import LoadReporter
+from sglang.srt.managers.dp_prefill_align import PrefillHold, prefill_allowed
 from sglang.srt.managers.accept_check import run_accept_check
 from sglang.srt.managers.io_struct import (
     AbortReq,
@@ -123,6 +124,8 @@ class Scheduler:
         self.globally_idle = True
         self.iterations = 0
         self.decode_streak = 0  # decode batches launched since the last prefill batch
+        self.last_plan: Optional[GlobalPlan] = None  # the previous iteration's (DP attention)
+        self.prefill_hold = PrefillHold(server_args.dp_prefill_align_iters)
         self.balance = IterationBalance()
         dp_label = f"DP{self.dp_rank}-" if self.dp_rank is not None else ""
         self.profiler = SchedulerProfiler(f"{dp_label}TP{tp_rank}")
@@ -252,8 +255,13 @@ class Scheduler:
             num_reqs=len(batch.reqs) if batch else 0,
             is_extend=int(batch is not None and batch.mode == ForwardMode.EXTEND),
             has_work=int(self.has_work()),
+            prefill_wait=self.prefill_hold.report(
+                wants_prefill=bool(self.waiting),
+                prefilled=batch is not None and batch.mode == ForwardMode.EXTEND,
+                continues_chunk=self.chunked_req is not None,
+            ),
         )
-        plan = self.comm.gather_plan(local)
+        plan = self.last_plan = self.comm.gather_plan(local)
         self.forward_started_at = None
         self.globally_idle = not plan.any_work
         if plan.all_idle:
@@ -344,9 +352,14 @@ class Scheduler:
     def may_prefill(self) -> bool:
         """--num-continuous-decode-steps N > 1: while requests decode, a new prefill waits until
         they have decoded N steps in a row since the last one (a chunked prompt goes on).
-        N = 1: requests that wait are prefilled at once, as without the flag."""
+        N = 1: requests that wait are prefilled at once, as without the flag. Under DP attention
+        the ranks also align their prefills (dp_prefill_align.py)."""
+        if self.chunked_req is not None:
+            return True
+        if self.comm.dp_attention and not prefill_allowed(self.last_plan, self.server_args.dp_prefill_align_iters):
+            return False
         steps = self.server_args.num_continuous_decode_steps
-        return steps == 1 or not self.running or self.chunked_req is not None or self.decode_streak >= steps
+        return steps == 1 or not self.running or self.decode_streak >= steps
 
     def drop_aborted(self) -> None:
         aborted = [r for r in self.running if r.to_abort]
@@ -631,6 +644,7 @@ class Scheduler:
             "plan_all_gathers": self.comm.num_plan_gathers,
             "gathered_buffer_bytes": _nbytes(self.runner.gathered_buffer),
             "cuda_graph_replays": self.cuda_graph_replays(),
+            "prefill_wait_iterations": self.prefill_hold.total_held_iters,  # DP attention: held or without room
             **self.balance.internal_state(),
         }
 
