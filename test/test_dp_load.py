@@ -244,3 +244,8 @@ def test_tp2_dp2_prefill_waits_for_alignment(tiny_llama_dir):
         assert held == generate([10, 11, 12], 5)  # alone: prefilled at once, the same tokens
     finally:
         kill_server(server)
+
+
+def test_prefill_align_iters_must_not_be_negative():
+    with pytest.raises(ValueError, match="--dp-prefill-align-iters"):
+        ServerArgs(model_path="m", device="cpu", dp_prefill_align_iters=-1)
