@@ -127,6 +127,13 @@ def test_start_profile_bad_bodies_are_400(server, body):
     _assert_serving(server)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU activities are valid where torch sees a GPU")
+def test_start_profile_gpu_activities_without_gpu_are_400(server):
+    """Found by the fuzz run: no activity left once GPU is dropped made the torch profiler raise in the scheduler."""
+    _assert_json_4xx(_post_raw(server, "/start_profile", '{"activities": ["GPU"]}'), "GPU only")
+    _assert_serving(server)
+
+
 def test_start_profile_valid_body_still_works(server):
     r = _post_raw(server, "/start_profile", '{"num_steps": 2, "activities": ["CPU"]}')
     assert r.status_code == 200, r.text

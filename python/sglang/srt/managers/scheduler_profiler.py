@@ -50,6 +50,8 @@ class SchedulerProfiler:
         activities = {_ACTIVITIES[a] for a in names}
         if not torch.cuda.is_available():
             activities.discard(ProfilerActivity.CUDA)
+            if not activities:
+                return False, f"profiler activities {names} need a GPU; this server has none (use CPU)"
         self.output_dir = req.output_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")
         os.makedirs(self.output_dir, exist_ok=True)
         self.steps_left = req.num_steps
