@@ -1,6 +1,6 @@
 """The torch profiler on a scheduler rank (SGLang's /start_profile and /stop_profile).
 
-Each rank profiles itself and writes, on stop, `<time>-<rank>.trace.json.gz` (open it in
+Each rank profiles itself and writes, after stop (on a thread of its own), `<time>-<rank>.trace.json.gz` (open it in
 Perfetto or chrome://tracing) and `<time>-<rank>.txt`: the ops sorted by self time on the
 device (with CUDA), then by self time on the host. The directory is the request's, else
 $SGLANG_TORCH_PROFILER_DIR, else /tmp.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Optional
 
@@ -69,16 +70,27 @@ class SchedulerProfiler:
             self.stop()
 
     def stop(self) -> tuple[bool, str]:
+        """Stops the profiler here (it must stop on the thread that started it) and writes the
+        files on a thread of their own: for a long session the trace and the table take tens
+        of seconds of CPU, which would otherwise stall every request (and /health)."""
         if self.active is None:
             return False, "the profiler is not running"
         prof, self.active = self.active, None
         prof.stop()
         stem = os.path.join(self.output_dir, f"{time.strftime('%Y%m%d-%H%M%S')}-{self.rank_name}")
+        threading.Thread(target=_write_profile, args=(prof, stem), name="profile-writer").start()
+        return True, f"Profile stopped; writing {stem}.trace.json.gz and {stem}.txt"
+
+
+def _write_profile(prof: profile, stem: str) -> None:
+    try:
         prof.export_chrome_trace(stem + ".trace.json.gz")
         averages = prof.key_averages()
         orders = (["self_cuda_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]
         with open(stem + ".txt", "w") as f:
             for order in orders:
                 f.write(f"sorted by {order}\n{averages.table(sort_by=order, row_limit=_TABLE_ROWS)}\n")
-        logger.info("Profile written to %s.trace.json.gz and %s.txt", stem, stem)
-        return True, f"Profile written to {stem}.trace.json.gz"
+    except OSError as e:  # e.g. the directory was removed meanwhile: the scheduler goes on
+        logger.error("Could not write the profile %s: %s", stem, e)
+        return
+    logger.info("Profile written to %s.trace.json.gz and %s.txt", stem, stem)
