@@ -243,6 +243,12 @@ def test_completions(client):
     assert [c["index"] for c in out["choices"]] == [0, 1]
     out = client.post("/v1/completions", json={"model": MODEL, "prompt": [104, 105], "max_tokens": 1, "echo": True}).json()
     assert out["choices"][0]["text"] == "hiH"
+    # echo with logprobs: the prompt's tokens first (the first without a logprob), offsets over the echoed text.
+    body = {"model": MODEL, "prompt": [104, 105], "max_tokens": 2, "echo": True, "logprobs": 1}
+    logprobs = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == list("hiHe") and logprobs["text_offset"] == [0, 1, 2, 3]
+    assert logprobs["token_logprobs"] == [None, -0.25, -0.5, -0.5]
+    assert logprobs["top_logprobs"] == [None, {"i": -0.25}, {"H": -0.5}, {"e": -0.5}]
     chunks = _sse(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 32}))
     assert "".join(c["choices"][0]["text"] for c in chunks) == REPLY
 
