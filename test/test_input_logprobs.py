@@ -92,27 +92,26 @@ def deepseek_reference(tiny_deepseek_v3_dir) -> list[torch.Tensor]:
     return reference_logprobs(tiny_deepseek_v3_dir, PROMPTS)
 
 
+NEXTN = {"speculative_algorithm": "NEXTN"}
+# round_robin: the prompts go to both DP ranks.
+DP_ATTENTION = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "load_balance_method": "round_robin"}
+
+
 @pytest.mark.parametrize(
-    "engine_args",
-    [
-        {},
-        # round_robin: the prompts go to both DP ranks
-        {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "load_balance_method": "round_robin"},
-    ],
-    ids=["nextn", "nextn-dp-attention"],
+    "engine_args", [NEXTN, {**NEXTN, **DP_ATTENTION}, DP_ATTENTION], ids=["nextn", "nextn-dp-attention", "dp-attention"]
 )
-def test_prompt_logprobs_with_nextn(tiny_deepseek_v3_dir, deepseek_reference, engine_args):
-    """The prefill runs through the target model: its logits give the prompt logprobs; the
-    draft's prefill takes none."""
+def test_deepseek_prompt_logprobs(tiny_deepseek_v3_dir, deepseek_reference, engine_args):
+    """Under speculation the prefill runs through the target model: its logits give the prompt
+    logprobs (the draft's prefill takes none). Under DP attention each rank's LM head computes
+    its own requests' rows."""
     with sgl.Engine(
-        model_path=tiny_deepseek_v3_dir, device="cpu", log_level="warning", speculative_algorithm="NEXTN",
-        chunked_prefill_size=4, **engine_args,
+        model_path=tiny_deepseek_v3_dir, device="cpu", log_level="warning", chunked_prefill_size=4, **engine_args
     ) as engine:
         outs = generate(engine, PROMPTS, start=0, max_new_tokens=6)
         for out, prompt, ref in zip(outs, PROMPTS, deepseek_reference):
             meta = out["meta_info"]
             check_input_logprobs(meta, prompt, ref, 0)
-            assert meta["spec_verify_ct"] >= 1
-            # The verify steps' output logprobs: greedy, each token is its position's top one.
+            assert (meta.get("spec_verify_ct", 0) >= 1) == ("speculative_algorithm" in engine_args)
+            # The output logprobs (verify steps' under speculation): greedy, each token is its position's top one.
             for (lp, token, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True):
                 assert top[0][1] == token and abs(top[0][0] - lp) < 1e-5

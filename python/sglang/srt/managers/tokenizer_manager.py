@@ -193,7 +193,7 @@ async def final_output(outputs: AsyncIterator[Any]) -> Any:
 
 async def incremental_outputs(outputs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
     """Turn cumulative snapshots into deltas (--stream-output): only the new text, ids and
-    logprobs of each chunk (per sample "index" when n > 1)."""
+    logprobs of each chunk (per sample "index" when n > 1); the prompt's logprobs in the first."""
     sent: dict[int, tuple[int, int]] = {}  # index -> (text, ids) already sent
     async with contextlib.aclosing(outputs):
         async for out in outputs:
@@ -203,6 +203,9 @@ async def incremental_outputs(outputs: AsyncIterator[dict[str, Any]]) -> AsyncIt
             for key in ("output_token_logprobs", "output_top_logprobs"):
                 if key in meta:
                     meta[key] = meta[key][sent_ids:]
+            for key in ("input_token_logprobs", "input_top_logprobs"):
+                if key in meta and index in sent:
+                    meta[key] = []
             delta = {"text": out["text"][sent_text:], "output_ids": out["output_ids"][sent_ids:], "meta_info": meta}
             yield {**out, **delta}
             sent[index] = len(out["text"]), len(out["output_ids"])
