@@ -133,10 +133,17 @@ def test_stream_never_shows_a_stop_string_prefix(client):
 
 
 def test_stream_output_flag_gives_deltas():
+    body = {"input_ids": [104, 105], "stream": True, "return_logprob": True, "logprob_start_len": 0, "sampling_params": {"n": 2}}
     with fake_backend(stream_output=True) as (tm, fake), TestClient(warmed_up_app(tm, {})) as c:
         chunks = _sse(c.post("/generate", json={"text": "hi", "stream": True}))
+        samples = _sse(c.post("/generate", json=body))
     assert "".join(ch["text"] for ch in chunks) == REPLY
     assert sum(len(ch["output_ids"]) for ch in chunks) == len(REPLY.encode()) + 1
+    for index in (0, 1):  # per sample: its own deltas, the prompt's logprobs in its first chunk only
+        mine = [ch for ch in samples if ch["index"] == index]
+        assert "".join(ch["text"] for ch in mine) == REPLY
+        assert sum(len(ch["meta_info"]["output_token_logprobs"]) for ch in mine) == len(REPLY.encode()) + 1
+        assert [len(ch["meta_info"]["input_token_logprobs"]) for ch in mine] == [2] + [0] * (len(mine) - 1)
 
 
 BAD_GENERATE = [
@@ -243,6 +250,12 @@ def test_completions(client):
     assert [c["index"] for c in out["choices"]] == [0, 1]
     out = client.post("/v1/completions", json={"model": MODEL, "prompt": [104, 105], "max_tokens": 1, "echo": True}).json()
     assert out["choices"][0]["text"] == "hiH"
+    # echo with logprobs: the prompt's tokens first (the first without a logprob), offsets over the echoed text.
+    body = {"model": MODEL, "prompt": [104, 105], "max_tokens": 2, "echo": True, "logprobs": 1}
+    logprobs = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == list("hiHe") and logprobs["text_offset"] == [0, 1, 2, 3]
+    assert logprobs["token_logprobs"] == [None, -0.25, -0.5, -0.5]
+    assert logprobs["top_logprobs"] == [None, {"i": -0.25}, {"H": -0.5}, {"e": -0.5}]
     chunks = _sse(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 32}))
     assert "".join(c["choices"][0]["text"] for c in chunks) == REPLY
 

@@ -4,6 +4,7 @@ SmolLM2-135M-Instruct for answers that must be right."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -12,6 +13,9 @@ import time
 import openai
 import pytest
 import requests
+import torch
+from test_input_logprobs import check_input_logprobs, reference_logprobs
+from transformers import AutoTokenizer
 
 from sglang.srt.utils.process import descendant_pids
 from sglang.test.server_utils import kill_server, popen_launch_server, wait_until_gone
@@ -74,6 +78,49 @@ def test_completions_logprobs(client):
     assert len(lp.tokens) == len(lp.token_logprobs) == 5
     assert all(len(t) == 2 and max(t.values()) >= v - 1e-4 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
     assert "".join(lp.tokens) == out.choices[0].text
+
+
+def test_generate_prompt_logprobs(server, tiny_llama_dir):
+    prompt = [5, 17, 42, 99, 7, 3, 250, 11]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 1,
+        "top_logprobs_num": 3,
+    }
+    out = _post(server, "/generate", body).json()
+    check_input_logprobs(out["meta_info"], prompt, reference_logprobs(tiny_llama_dir, [prompt])[0], 1)
+    for bad in (len(prompt), -2):
+        r = _post(server, "/generate", {**body, "logprob_start_len": bad})
+        assert r.status_code == 400 and "logprob_start_len" in r.json()["error"]["message"], r.text
+
+
+def test_completions_echo_with_logprobs(client, tiny_llama_dir):
+    prompt = "The quick brown"
+    ids = AutoTokenizer.from_pretrained(tiny_llama_dir).encode(prompt)
+    kwargs = dict(model=SERVED_NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    out = client.completions.create(**kwargs, echo=True, n=2)
+    plain = client.completions.create(**kwargs).choices[0]
+    ref = reference_logprobs(tiny_llama_dir, [ids])[0]
+    for choice in out.choices:
+        lp = choice.logprobs
+        assert choice.text == prompt + plain.text
+        assert len(lp.tokens) == len(ids) + 4 and "".join(lp.tokens) == choice.text
+        assert lp.text_offset == list(itertools.accumulate((len(t) for t in lp.tokens[:-1]), initial=0))
+        # The prompt's tokens: the first has no logprob; the others are transformers' values.
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        expected = ref[:-1].gather(1, torch.tensor(ids[1:]).view(-1, 1)).squeeze(1).tolist()
+        assert lp.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-4)
+        assert [max(t.values()) for t in lp.top_logprobs[1 : len(ids)]] == pytest.approx(ref[:-1].max(-1).values.tolist(), abs=1e-4)
+        # The completion's tokens: as without echo.
+        assert lp.tokens[len(ids) :] == plain.logprobs.tokens
+        assert lp.token_logprobs[len(ids) :] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-4)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**kwargs, echo=True, stream=True) if c.choices]
+    lp = out.choices[0].logprobs
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(lp.token_logprobs, abs=1e-4)
 
 
 def test_chat_logprobs(client):

@@ -98,6 +98,7 @@ GENERATE = body(
         "stream": st.booleans(),
         "return_logprob": st.booleans(),
         "top_logprobs_num": st.integers(-1, 5),
+        "logprob_start_len": st.integers(-2, 8),
         "return_text_in_logprobs": st.booleans(),
     },
 )

@@ -136,6 +136,23 @@ class FakeScheduler:
             no_stop_trim=[p.no_stop_trim],
             output_token_logprobs=[logprobs],
             output_top_logprobs=[tops],
+            input_token_logprobs=[self._input_logprobs(req) if req.return_logprob and not start else None],
+            input_top_logprobs=[self._input_top_logprobs(req) if req.return_logprob and not start else None],
             spec_verify_ct=[0],
         )
         self._send.send_pyobj(self._detok.handle(batch))
+
+    @staticmethod
+    def _input_ids_from_start(req: TokenizedGenerateReqInput) -> list[int]:
+        start = len(req.input_ids) - 1 if req.logprob_start_len == -1 else req.logprob_start_len
+        return req.input_ids[start:]
+
+    def _input_logprobs(self, req: TokenizedGenerateReqInput) -> list[tuple[Optional[float], int]]:
+        """As the scheduler sends them: the first prompt token from the start without a logprob."""
+        first, *rest = self._input_ids_from_start(req)
+        return [(None, first)] + [(-0.25, t) for t in rest]
+
+    def _input_top_logprobs(self, req: TokenizedGenerateReqInput) -> list[Optional[list[tuple[float, int]]]]:
+        if not req.top_logprobs_num:
+            return []
+        return [None] + [[(-0.25, t), (-1.25, 0)][: req.top_logprobs_num] for t in self._input_ids_from_start(req)[1:]]

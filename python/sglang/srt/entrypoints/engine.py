@@ -203,10 +203,14 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         stream: bool = False,
+        logprob_start_len: int = -1,
     ) -> Union[dict[str, Any], list[dict[str, Any]], Iterator[dict[str, Any]]]:
         """One dict per prompt (a list for a list of prompts, or for n > 1 samples: prompt i's
-        at i*n ..); an iterator of chunks when streaming. Invalid requests raise ValueError."""
-        outputs = self._outputs(prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream)
+        at i*n ..); an iterator of chunks when streaming (n > 1: each sample's chunks, marked
+        with its "index"). Invalid requests raise ValueError."""
+        outputs = self._outputs(
+            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, logprob_start_len
+        )
         if stream:
             return self._iterate(outputs)
         return self._run(final_output(outputs))
@@ -221,7 +225,9 @@ class Engine:
             return self._aiterate(outputs)
         return await self._await(final_output(outputs))
 
-    def _outputs(self, prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream) -> AsyncIterator[Any]:
+    def _outputs(
+        self, prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, logprob_start_len
+    ) -> AsyncIterator[Any]:
         obj = GenerateReqInput(
             text=prompt,
             input_ids=input_ids,
@@ -229,6 +235,7 @@ class Engine:
             stream=stream,
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
+            logprob_start_len=logprob_start_len,
         )
         outputs = self.tokenizer_manager.generate_request(obj)
         if stream and self.server_args.stream_output:

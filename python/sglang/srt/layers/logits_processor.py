@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.linear import linear
+from sglang.srt.layers.sampler import token_logprobs
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
@@ -21,6 +22,10 @@ class LogitsProcessorOutput:
     next_token_logits: torch.Tensor  # [rows, vocab] float32
     # Per capture_hidden_mode: None, the logits rows' hidden states, or all rows' (a fresh tensor).
     hidden_states: Optional[torch.Tensor] = None
+    # For forward_batch.input_logprob_rows: the logprob of the token that follows each row [R],
+    # and the rows' top logprobs ([R, K] values and ids; None when none are asked for).
+    input_token_logprobs: Optional[torch.Tensor] = None
+    input_top_logprobs: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 class LogitsProcessor(nn.Module):
@@ -38,11 +43,20 @@ class LogitsProcessor(nn.Module):
             rows = hidden_states
         else:
             rows = hidden_states[forward_batch.last_token_indices()]
+        # The prompt-logprob rows share the GEMM (and its all-gather) with the rows above.
+        extra = forward_batch.input_logprob_rows
+        head_in = rows if extra is None else torch.cat([rows, hidden_states[extra]])
         # One rank: float32 straight from the GEMM (the Triton GEMV writes it without a cast kernel);
         # several: gathered in the weight's dtype, half the bytes.
         out_dtype = torch.float32 if lm_head.group.size == 1 else None
-        logits = linear(rows, lm_head.weight, getattr(lm_head, "bias", None), out_dtype)
+        logits = linear(head_in, lm_head.weight, getattr(lm_head, "bias", None), out_dtype)
         logits = lm_head.group.all_gather(logits, dim=-1)[:, : self.vocab_size].float()
+        input_logprobs = input_tops = None
+        if extra is not None:
+            logits, input_logits = logits.split([rows.shape[0], extra.shape[0]])
+            input_logprobs, input_tops = token_logprobs(
+                input_logits, forward_batch.input_logprob_next_ids, forward_batch.input_top_logprobs_num
+            )
 
         mode = forward_batch.capture_hidden_mode
         if mode == CaptureHiddenMode.FULL:
@@ -51,4 +65,4 @@ class LogitsProcessor(nn.Module):
             hidden = rows.clone() if rows is hidden_states else rows
         else:
             hidden = None
-        return LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden)
+        return LogitsProcessorOutput(logits, hidden, input_logprobs, input_tops)

@@ -153,10 +153,7 @@ class Sampler:
             next_ids = self._draw(probs, info.generators)
         out = SampleOutput(next_ids)
         if return_logprob:
-            logprobs = torch.log_softmax(logits, dim=-1)
-            out.logprobs = logprobs.gather(1, next_ids.view(-1, 1)).squeeze(1)
-            if top_logprobs_num > 0:
-                out.top_logprobs = torch.topk(logprobs, top_logprobs_num, dim=-1)
+            out.logprobs, out.top_logprobs = token_logprobs(logits, next_ids, top_logprobs_num)
         if bad_rows is not None:
             out.next_token_ids = torch.where(bad_rows, NAN_TOKEN_ID, next_ids)
         return out
@@ -181,6 +178,16 @@ class Sampler:
             if g is not None:
                 out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
         return out
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_n: int
+) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor]]]:
+    """Logprob of token_ids[i] under logits row i ([R]), and the rows' top_n logprobs
+    ([R, top_n] values and ids; None when top_n is 0)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids.view(-1, 1)).squeeze(1)
+    return chosen, (tuple(torch.topk(logprobs, top_n, dim=-1)) if top_n > 0 else None)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

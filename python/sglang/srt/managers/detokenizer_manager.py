@@ -122,6 +122,8 @@ class IncrementalDetokenizer:
             cached_tokens=recv.cached_tokens,
             output_token_logprobs=recv.output_token_logprobs,
             output_top_logprobs=recv.output_top_logprobs,
+            input_token_logprobs=recv.input_token_logprobs,
+            input_top_logprobs=recv.input_top_logprobs,
             spec_verify_ct=recv.spec_verify_ct,
         )
 

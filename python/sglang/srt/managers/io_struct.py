@@ -19,6 +19,7 @@ class TokenizedGenerateReqInput:
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # -1: output logprobs only
     # Set by the DataParallelController when it dispatches to a DP rank.
     dp_rank: Optional[int] = None
 
@@ -86,6 +87,10 @@ class BatchTokenIDOut:
     # Per request: list of (logprob, token_id) for each new token, and top logprobs.
     output_token_logprobs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
     output_top_logprobs: list[Optional[list[list[tuple[float, int]]]]] = field(default_factory=list)
+    # Per request, in its first message only (else None): SGLang's input_token_logprobs
+    # ((logprob or None, token id) from logprob_start_len on) and input_top_logprobs.
+    input_token_logprobs: list[Optional[list[tuple[Optional[float], int]]]] = field(default_factory=list)
+    input_top_logprobs: list[Optional[list[Optional[list[tuple[float, int]]]]]] = field(default_factory=list)
     spec_verify_ct: list[int] = field(default_factory=list)
 
 
@@ -105,6 +110,8 @@ class BatchStrOut:
     cached_tokens: list[int]
     output_token_logprobs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
     output_top_logprobs: list[Optional[list[list[tuple[float, int]]]]] = field(default_factory=list)
+    input_token_logprobs: list[Optional[list[tuple[Optional[float], int]]]] = field(default_factory=list)
+    input_top_logprobs: list[Optional[list[Optional[list[tuple[float, int]]]]]] = field(default_factory=list)
     spec_verify_ct: list[int] = field(default_factory=list)
 
 

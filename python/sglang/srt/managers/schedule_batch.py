@@ -25,6 +25,9 @@ class Req:
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # With return_logprob: the prompt position from which input logprobs are returned, in
+    # [0, prompt length), or -1 for the last prompt token only (output logprobs alone).
+    logprob_start_len: int = -1
     output_ids: list[int] = field(default_factory=list)
     finished_reason: Optional[dict[str, Any]] = None
     # Memory: row in the request->token table and how many tokens have KV in the pool.
@@ -37,6 +40,9 @@ class Req:
     # Token budget of the current extend chunk (set by the policy).
     extend_len: int = 0
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    # (logprob, token id) of prompt tokens input_logprob_start + 1 .. in order, and their top logprobs.
+    input_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     spec_verify_ct: int = 0
     streamed_len: int = 0  # output ids already sent to the detokenizer
@@ -62,6 +68,20 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    @property
+    def pending_input_logprobs(self) -> range:
+        """Prompt positions whose logits the input logprobs still need: from logprob_start_len
+        up to the last prompt position, whose logits sample the first output token instead
+        (position p's logits give the logprob of token p + 1)."""
+        if not self.return_logprob:
+            return range(0)
+        return range(self.input_logprob_start + len(self.input_token_logprobs), len(self.origin_input_ids) - 1)
+
+    @property
+    def input_logprob_start(self) -> int:
+        """The first prompt position of the input logprobs (logprob_start_len, -1 resolved)."""
+        return len(self.origin_input_ids) - 1 if self.logprob_start_len == -1 else self.logprob_start_len
 
     @property
     def pending_extend(self) -> int:
@@ -128,6 +148,11 @@ class ScheduleBatch:
     future_src: list[int] = field(default_factory=list)
     # Decode: the new tokens' slots and table entries, still on the host (uploaded with the batch).
     kv_write: Optional[TableWrite] = None
+    # Extend: the rows whose logits give prompt logprobs (Req.pending_input_logprobs within the
+    # chunk), how many of them each request has, and the token that follows each row.
+    input_logprob_rows: list[int] = field(default_factory=list)
+    input_logprob_counts: list[int] = field(default_factory=list)
+    input_logprob_next_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def idle(cls) -> "ScheduleBatch":
@@ -138,14 +163,23 @@ class ScheduleBatch:
     def for_extend(cls, reqs: list[Req], out_cache_loc: torch.Tensor) -> "ScheduleBatch":
         """Each req extends all_ids[kv_len : kv_len + extend_len] (a retracted request re-extends its output too)."""
         input_ids, positions, seq_lens, extend_lens, prefix_lens = [], [], [], [], []
+        logprob_rows, logprob_counts, logprob_next_ids = [], [], []
         for r in reqs:
             start, end = r.kv_len, r.kv_len + r.extend_len
+            pending = r.pending_input_logprobs
+            wanted = range(max(start, pending.start), min(end, pending.stop))
+            logprob_rows += (len(input_ids) + p - start for p in wanted)
+            logprob_counts.append(len(wanted))
+            logprob_next_ids += r.origin_input_ids[wanted.start + 1 : wanted.stop + 1]
             input_ids += r.all_ids[start:end]
             positions += range(start, end)
             seq_lens.append(end)
             extend_lens.append(r.extend_len)
             prefix_lens.append(start)
-        return cls(ForwardMode.EXTEND, reqs, input_ids, positions, out_cache_loc, seq_lens, extend_lens, prefix_lens)
+        batch = cls(ForwardMode.EXTEND, reqs, input_ids, positions, out_cache_loc, seq_lens, extend_lens, prefix_lens)
+        batch.input_logprob_rows, batch.input_logprob_counts = logprob_rows, logprob_counts
+        batch.input_logprob_next_ids = logprob_next_ids
+        return batch
 
     @classmethod
     def for_decode(cls, reqs: list[Req], future: Optional[FutureTokens] = None) -> "ScheduleBatch":
@@ -167,7 +201,10 @@ class ScheduleBatch:
         the device through one upload."""
         assert self.future is not None or not self.future_dst, "a token in flight, but no step in flight holds it"
         pending = self.kv_write
-        input_ids, positions, req_pool_indices, seq_lens, extend_seq_lens, dst, src, index, slots = upload(
+        (
+            input_ids, positions, req_pool_indices, seq_lens, extend_seq_lens, dst, src, logprob_rows, logprob_next_ids,
+            index, slots,
+        ) = upload(
             [
                 self.input_ids,
                 self.positions,
@@ -176,6 +213,8 @@ class ScheduleBatch:
                 self.extend_lens,
                 self.future_dst,
                 self.future_src,
+                self.input_logprob_rows,
+                self.input_logprob_next_ids,
                 [] if pending is None else pending.index,
             ],
             device,
@@ -205,4 +244,13 @@ class ScheduleBatch:
             extend_seq_lens_cpu=list(self.extend_lens),
             global_num_tokens=self.global_num_tokens,
             global_forward_mode=self.global_forward_mode,
+            input_logprob_rows=logprob_rows if self.input_logprob_rows else None,
+            input_logprob_next_ids=logprob_next_ids,
+            input_top_logprobs_num=self.input_top_logprobs_num,
         )
+
+    @property
+    def input_top_logprobs_num(self) -> int:
+        """Top logprobs per prompt-logprob row: the most any request with such rows asks for."""
+        counts = self.input_logprob_counts
+        return max((r.top_logprobs_num for r, n in zip(self.reqs, counts) if n), default=0)

@@ -304,6 +304,7 @@ class Scheduler:
             stream=msg.stream,
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
+            logprob_start_len=msg.logprob_start_len,
         )
         if not req.origin_input_ids or len(req.origin_input_ids) > self.max_req_input_len:
             self.refuse(req, f"Input length {len(req.origin_input_ids)} must be in [1, {self.max_req_input_len}]")
@@ -314,6 +315,8 @@ class Scheduler:
             msg.sampling_params.verify(self.model_config.vocab_size)
             if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= self.model_config.vocab_size:
                 raise ValueError(f"input_ids must be in [0, {self.model_config.vocab_size})")
+            if not -1 <= req.logprob_start_len < len(req.origin_input_ids):
+                raise ValueError(f"logprob_start_len must be -1 or in [0, {len(req.origin_input_ids)})")
             self.worker.add_request(req)
         except _REQUEST_DATA_ERRORS as e:
             self.worker.remove_request(req)
@@ -325,6 +328,7 @@ class Scheduler:
         """Finish a request that never ran with an error (a 400 for its client)."""
         logger.info("Refused request %s: %s", req.rid, message)
         req.finished_reason = {"type": "abort", "message": message}
+        req.return_logprob = False  # its fields may be what was refused
         self.stream_output([req])
 
     def abort_request(self, rid: str) -> None:
@@ -501,7 +505,11 @@ class Scheduler:
             )
 
     def append_tokens(self, req: Req, result: GenerationResult, i: int) -> None:
-        """Append the step's tokens one by one, stopping at the first stop condition."""
+        """Append the step's prompt logprobs, then its tokens one by one, stopping at the first
+        stop condition."""
+        if result.input_logprobs:
+            req.input_token_logprobs += result.input_logprobs[i]
+            req.input_top_logprobs += result.input_top_logprobs[i]
         if req.sampling_params.max_new_tokens == 0 and req.kv_len == req.seq_len:
             req.finished_reason = {"type": "length", "length": 0}
             return
@@ -569,6 +577,10 @@ class Scheduler:
                 no_stop_trim=[r.sampling_params.no_stop_trim for r in reqs],
                 output_token_logprobs=[r.output_token_logprobs[s:] if r.return_logprob else None for r, s in zip(reqs, starts)],
                 output_top_logprobs=[r.output_top_logprobs[s:] if r.return_logprob else None for r, s in zip(reqs, starts)],
+                # A request's first message carries its prompt logprobs (complete: it has finished
+                # its prefill, or it ends without output).
+                input_token_logprobs=[_input_logprobs(r) if r.return_logprob and not s else None for r, s in zip(reqs, starts)],
+                input_top_logprobs=[_input_top_logprobs(r) if r.return_logprob and not s else None for r, s in zip(reqs, starts)],
                 spec_verify_ct=[r.spec_verify_ct for r in reqs],
             )
         )
@@ -666,6 +678,16 @@ class Scheduler:
                     os._exit(1)
 
         threading.Thread(target=watch, daemon=True, name="watchdog").start()
+
+
+def _input_logprobs(req: Req) -> list[tuple[Optional[float], int]]:
+    """SGLang's input_token_logprobs: prompt tokens from logprob_start_len on, the first with
+    logprob None (the logits before it are not computed)."""
+    return [(None, req.origin_input_ids[req.input_logprob_start])] + req.input_token_logprobs
+
+
+def _input_top_logprobs(req: Req) -> list[Optional[list[tuple[float, int]]]]:
+    return [None] + req.input_top_logprobs if req.top_logprobs_num else []
 
 
 def _nbytes(t: Optional[torch.Tensor]) -> int:

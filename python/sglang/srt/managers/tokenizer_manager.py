@@ -77,6 +77,8 @@ class GenerateReqInput(ValidatedRequest):
     rid: Optional[Union[str, list[str]]] = None
     stream: bool = False
     return_logprob: bool = False
+    # First prompt position of meta_info's input_token_logprobs (-1: the last prompt token).
+    logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
 
@@ -127,6 +129,8 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)
     token_logprobs: Optional[list] = None  # (logprob, id, text) triples when asked for
     top_logprobs: Optional[list] = None
+    input_token_logprobs: Optional[list] = None  # set once, from the first message
+    input_top_logprobs: Optional[list] = None
     meta: Optional[dict[str, Any]] = None  # of the latest message
     finished: bool = False
     error: Optional[str] = None
@@ -136,6 +140,8 @@ class ReqState:
         ids and meta_info (with the logprobs so far)."""
         meta = dict(self.meta)
         if self.token_logprobs is not None:
+            meta["input_token_logprobs"] = self.input_token_logprobs  # never changed once set
+            meta["input_top_logprobs"] = self.input_top_logprobs
             meta["output_token_logprobs"] = list(self.token_logprobs)
             meta["output_top_logprobs"] = list(self.top_logprobs)
         text = self.text if self.finished else hold_back_partial_stop(self.text, self.stops)
@@ -187,16 +193,45 @@ async def final_output(outputs: AsyncIterator[Any]) -> Any:
 
 async def incremental_outputs(outputs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
     """Turn cumulative snapshots into deltas (--stream-output): only the new text, ids and
-    logprobs of each chunk."""
-    sent_text = sent_ids = 0
+    logprobs of each chunk (per sample "index" when n > 1); the prompt's logprobs in the first."""
+    sent: dict[int, tuple[int, int]] = {}  # index -> (text, ids) already sent
     async with contextlib.aclosing(outputs):
         async for out in outputs:
+            index = out.get("index", 0)
+            sent_text, sent_ids = sent.get(index, (0, 0))
             meta = dict(out["meta_info"])
             for key in ("output_token_logprobs", "output_top_logprobs"):
                 if key in meta:
                     meta[key] = meta[key][sent_ids:]
-            yield {"text": out["text"][sent_text:], "output_ids": out["output_ids"][sent_ids:], "meta_info": meta}
-            sent_text, sent_ids = len(out["text"]), len(out["output_ids"])
+            for key in ("input_token_logprobs", "input_top_logprobs"):
+                if key in meta and index in sent:
+                    meta[key] = []
+            delta = {"text": out["text"][sent_text:], "output_ids": out["output_ids"][sent_ids:], "meta_info": meta}
+            yield {**out, **delta}
+            sent[index] = len(out["text"]), len(out["output_ids"])
+
+
+async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """(i, item) for the items of every stream i, as they arrive. Closing the merge (or a stream
+    failing) closes every stream."""
+    nexts = {asyncio.ensure_future(anext(stream)): i for i, stream in enumerate(streams)}
+    try:
+        while nexts:
+            done, _ = await asyncio.wait(nexts, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=nexts.get):
+                i = nexts.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                nexts[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, item
+    finally:
+        for task in nexts:
+            task.cancel()
+        await asyncio.gather(*nexts, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
 
 
 class TokenizerManager:
@@ -255,9 +290,14 @@ class TokenizerManager:
         if len(set(t.rid for t in tokenized)) != len(tokenized):
             raise RequestError("Duplicate rid in the batch")
         if any(t.sampling_params.n > 1 for t in tokenized):
-            if obj.stream:
-                raise RequestError("stream=True with n > 1 is not supported")
-            groups = await asyncio.gather(*(self._samples(t, o, request) for t, o in zip(tokenized, singles)))
+            if obj.stream:  # each sample's snapshots, marked with its "index", as they come
+                samples = await self._samples(tokenized[0], singles[0], request)
+                streams = [self._run_one(t, singles[0], request) for t in samples]
+                async with contextlib.aclosing(merge_streams(streams)) as outputs:
+                    async for i, out in outputs:
+                        yield {**out, "index": i}
+                return
+            groups = await asyncio.gather(*(self._sample_outputs(t, o, request) for t, o in zip(tokenized, singles)))
             yield [out for group in groups for out in group]  # prompt-major: prompt i's samples at i*n ..
             return
         if not obj.is_batch:
@@ -327,6 +367,8 @@ class TokenizerManager:
             )
         if not 0 <= obj.top_logprobs_num <= self.vocab_size:
             raise RequestError(f"top_logprobs_num must be in [0, {self.vocab_size}], got {obj.top_logprobs_num}")
+        if not -1 <= obj.logprob_start_len < n:
+            raise RequestError(f"logprob_start_len must be -1 or in [0, {n}) for {n} prompt tokens, got {obj.logprob_start_len}")
         rid = obj.rid or uuid.uuid4().hex
         if rid in self.rid_to_state:
             raise RequestError(f"A request with rid {rid!r} is already running")
@@ -338,6 +380,7 @@ class TokenizerManager:
             stream=obj.stream,
             return_logprob=obj.return_logprob,
             top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
+            logprob_start_len=obj.logprob_start_len,
         )
 
     @staticmethod
@@ -355,9 +398,16 @@ class TokenizerManager:
         if needs:
             raise RequestError(f"{needs[0]} needs a tokenizer; this server runs with --skip-tokenizer-init: send input_ids")
 
-    async def _samples(self, req: TokenizedGenerateReqInput, obj: GenerateReqInput, request) -> list[Any]:
-        """The final outputs of `n` samples of one prompt. The prompt is prefilled once first
-        (a request of 0 new tokens) so that its KV is in the prefix cache when the samples
+    async def _sample_outputs(self, req: TokenizedGenerateReqInput, obj: GenerateReqInput, request) -> list[Any]:
+        """The final outputs of the `n` samples of one prompt."""
+        samples = await self._samples(req, obj, request)
+        return list(await asyncio.gather(*(final_output(self._run_one(s, obj, request)) for s in samples)))
+
+    async def _samples(
+        self, req: TokenizedGenerateReqInput, obj: GenerateReqInput, request
+    ) -> list[TokenizedGenerateReqInput]:
+        """The `n` single-sample requests of one prompt, to send. The prompt is prefilled once
+        first (a request of 0 new tokens) so that its KV is in the prefix cache when the samples
         start; all of them go to one DP rank, whose cache holds it."""
         params, n = req.sampling_params, req.sampling_params.n
         dp_rank = next(self._sample_group_ranks) if self.server_args.dp_size > 1 else None
@@ -368,14 +418,13 @@ class TokenizerManager:
             )
             await final_output(self._run_one(prefill, obj, request))
         seed = params.sampling_seed
-        samples = [
+        return [
             replace(
                 req, rid=f"{req.rid}-{i}" if n > 1 else req.rid, dp_rank=dp_rank,
                 sampling_params=replace(params, n=1, sampling_seed=None if seed is None else seed + i),
             )
             for i in range(n)
         ]
-        return list(await asyncio.gather(*(final_output(self._run_one(s, obj, request)) for s in samples)))
 
     async def _run_one(self, req: TokenizedGenerateReqInput, obj: GenerateReqInput, request) -> AsyncIterator[dict]:
         state = ReqState(obj.stream, list(req.sampling_params.stop), obj.return_text_in_logprobs)
@@ -532,6 +581,10 @@ class TokenizerManager:
                 state.token_logprobs += self._logprob_triples(recv.output_token_logprobs[i], state)
                 tops = recv.output_top_logprobs[i] if recv.output_top_logprobs else None
                 state.top_logprobs += [self._logprob_triples(t, state) for t in (tops or [])]
+            if recv.input_token_logprobs and recv.input_token_logprobs[i] is not None:
+                state.input_token_logprobs = self._logprob_triples(recv.input_token_logprobs[i], state)
+                tops = recv.input_top_logprobs[i]
+                state.input_top_logprobs = [t if t is None else self._logprob_triples(t, state) for t in tops]
             if self.server_args.speculative_algorithm is not None and recv.spec_verify_ct:
                 meta["spec_verify_ct"] = recv.spec_verify_ct[i]
             if self.metrics is not None:

@@ -35,6 +35,10 @@ class GenerationResult:
     top_logprobs: list[list[list[tuple[float, int]]]] = field(default_factory=list)
     # Draft tokens accepted this step per request (speculative workers only).
     accepted_draft_tokens: Optional[list[int]] = None
+    # Extend: per request, (logprob, token id) and top logprobs of the prompt tokens whose
+    # logprobs this chunk computed (ScheduleBatch.input_logprob_rows), when any were asked for.
+    input_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_top_logprobs: list[list[list[tuple[float, int]]]] = field(default_factory=list)
 
 
 @dataclass
@@ -65,12 +69,38 @@ class SampledRows:
 
 
 @dataclass
+class InputLogprobs:
+    """An extend step's prompt logprobs (ScheduleBatch.input_logprob_rows) on their way to the host."""
+
+    batch: ScheduleBatch
+    copy: HostCopy
+
+    @classmethod
+    def launch(cls, batch: ScheduleBatch, output: LogitsProcessorOutput) -> Optional["InputLogprobs"]:
+        if output.input_token_logprobs is None:
+            return None
+        return cls(batch, HostCopy(output.input_token_logprobs, *(output.input_top_logprobs or ())))
+
+    def fill(self, result: GenerationResult) -> None:
+        """Wait for the values and put each request's rows into result (in position order)."""
+        logprobs, *tops = self.copy.lists()
+        next_ids, row = self.batch.input_logprob_next_ids, 0
+        result.input_logprobs, result.input_top_logprobs = [], []
+        for req, n in zip(self.batch.reqs, self.batch.input_logprob_counts):
+            rows, k = range(row, row + n), req.top_logprobs_num
+            result.input_logprobs.append([(logprobs[j], next_ids[j]) for j in rows])
+            result.input_top_logprobs.append([list(zip(tops[0][j][:k], tops[1][j][:k])) for j in rows] if k else [])
+            row += n
+
+
+@dataclass
 class LaunchedStep:
     """A step queued on the device. Its KV positions are known at once; its tokens once
     `resolve()` has waited for them."""
 
     result: GenerationResult
     sampled: Optional[SampledRows] = None
+    input_logprobs: Optional[InputLogprobs] = None
     kv_known_at_launch = True
 
     @property
@@ -87,6 +117,8 @@ class LaunchedStep:
     def resolve(self) -> GenerationResult:
         if self.sampled is not None:
             self.sampled.fill(self.result)
+        if self.input_logprobs is not None:
+            self.input_logprobs.fill(self.result)
         return self.result
 
 
@@ -145,6 +177,7 @@ class TpModelWorker:
         else:
             ready = [i for i, r in enumerate(batch.reqs) if r.kv_len + batch.extend_lens[i] == r.full_len]
         step = LaunchedStep(GenerationResult([[] for _ in batch.reqs], list(batch.extend_lens)))
+        step.input_logprobs = InputLogprobs.launch(batch, output)
         if ready:
             step.sampled = self.launch_sampling(batch.reqs, ready, output)
         return step

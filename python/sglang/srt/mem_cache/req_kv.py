@@ -77,10 +77,15 @@ class ReqKVManager:
         req.prefix_slots = None
 
     def match_prefix(self, req: Req) -> None:
-        """Look up a waiting request's cached prefix (at least one token stays to extend)."""
+        """Look up a waiting request's cached prefix: at least one token stays to extend, and
+        every prompt position whose logits its input logprobs still need."""
         if self.tree_cache is None:
             return
-        slots, node = self.tree_cache.match_prefix(req.all_ids[:-1])
+        limit = len(req.all_ids) - 1
+        pending = req.pending_input_logprobs
+        if pending:
+            limit = min(limit, pending.start)
+        slots, node = self.tree_cache.match_prefix(req.all_ids[:limit])
         req.cached_tokens, req.last_node, req.prefix_slots = len(slots), node, slots
 
     def release(self, req: Req) -> None:

@@ -66,6 +66,12 @@ class ForwardBatch:
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
     # Logits are computed for these token rows only (None: last token of each request).
     logits_indices: Optional[torch.Tensor] = None
+    # EXTEND: token rows whose next-token logprobs are asked for (prompt logprobs), the token
+    # that follows each row, and how many top logprobs per row (0: none). Computed apart from
+    # the rows above; None: no row.
+    input_logprob_rows: Optional[torch.Tensor] = None
+    input_logprob_next_ids: Optional[torch.Tensor] = None
+    input_top_logprobs_num: int = 0
     # Speculative decoding input (draft hidden states etc.), owned by speculative/.
     spec_info: Any = None
     # DP attention: tokens each DP rank contributes to this forward (same on every rank),

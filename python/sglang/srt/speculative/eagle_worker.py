@@ -39,9 +39,9 @@ import torch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import get_attn_tp_group, get_attn_tp_size
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
-from sglang.srt.layers.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo, greedy_tokens
+from sglang.srt.layers.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo, greedy_tokens, token_logprobs
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.managers.tp_worker import GenerationResult, LaunchedStep, TpModelWorker
+from sglang.srt.managers.tp_worker import GenerationResult, InputLogprobs, LaunchedStep, TpModelWorker
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
@@ -257,7 +257,10 @@ class EAGLEWorker:
         out = self._forward(self.target.runner, fb, SubForward.TARGET_EXTEND, it)
         ready = [i for i, r in enumerate(batch.reqs) if r.kv_len + batch.extend_lens[i] == r.seq_len]
         result = GenerationResult([[] for _ in batch.reqs], list(batch.extend_lens))
+        input_logprobs = InputLogprobs.launch(batch, out)  # the prompt's logprobs are the target's
         sampled = self.target.sample_rows(batch.reqs, ready, out, result) if ready else None
+        if input_logprobs is not None:
+            input_logprobs.fill(result)
         # Draft sees every chunk: ids shifted left by one, then the next token (prompt or sampled).
         # A NaN_TOKEN_ID (--enable-nan-detection: non-finite logits) is no embedding row: the
         # draft reads token 0 in its place; the scheduler finishes that request with its error.
@@ -272,6 +275,7 @@ class EAGLEWorker:
             input_ids=upload([ids], self.device)[0],
             capture_hidden_mode=CaptureHiddenMode.LAST,
             spec_info=SpecInput(out.hidden_states),
+            input_logprob_rows=None,
         )
         draft_out = self._forward(self.draft_runner, draft_fb, SubForward.DRAFT_EXTEND_PREFILL, it)
         if ready:  # their first decode cycle starts from the whole sequence's KV and the sampled token
@@ -381,10 +385,9 @@ class EAGLEWorker:
         """Logprob of each emitted token (padding columns too) under the target logits (after
         penalties) of its node, and the top logprobs when asked for: [bs * width (, top_n)]."""
         rows = torch.arange(len(reqs), device=self.device).view(-1, 1) * self.num_draft + acceptance.nodes
-        logprobs = torch.log_softmax(logits[rows.flatten()], dim=-1)
-        chosen = logprobs.gather(1, acceptance.emitted.view(-1, 1)).squeeze(1)
         top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
-        return [chosen, *torch.topk(logprobs, top_n, dim=-1)] if top_n else [chosen]
+        chosen, tops = token_logprobs(logits[rows.flatten()], acceptance.emitted.view(-1), top_n)
+        return [chosen, *(tops or ())]
 
     def _result(self, reqs: list[Req], slots: torch.Tensor, reads: tuple[torch.Tensor, ...]) -> GenerationResult:
         """The cycle's tokens per request from what it read (host tensors); frees the nodes not

@@ -84,6 +84,28 @@ def usage(outputs: list[dict[str, Any]], n: int = 1) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+class StreamedChoices:
+    """Per choice of a stream (a sample's "index", 0 without one): how much of its text and of
+    its output logprobs the chunks sent so far carry, and its latest output."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, tuple[int, int]] = {}
+        self.latest: dict[int, dict[str, Any]] = {}
+
+    def receive(self, out: dict[str, Any]) -> tuple[int, int, int]:
+        """The output's choice index, and the text length and logprob count sent for it so far."""
+        index = out.get("index", 0)
+        self.latest[index] = out
+        return (index, *self.sent.get(index, (0, 0)))
+
+    def mark_sent(self, index: int, out: dict[str, Any]) -> None:
+        self.sent[index] = len(out["text"]), len(out["meta_info"].get("output_token_logprobs", []))
+
+    def usage(self, n: int) -> UsageInfo:
+        """Every choice's tokens, the prompt counted once."""
+        return usage([self.latest[i] for i in sorted(self.latest)], n)
+
+
 class OpenAIServingBase:
     def __init__(self, tokenizer_manager: TokenizerManager):
         self.tm = tokenizer_manager

@@ -23,6 +23,7 @@ from sglang.srt.entrypoints.openai.protocol import (
 )
 from sglang.srt.entrypoints.openai.serving_base import (
     OpenAIServingBase,
+    StreamedChoices,
     error_response,
     finish_reason,
     sse_response,
@@ -107,33 +108,34 @@ class OpenAIServingChat(OpenAIServingBase):
         return ChoiceLogprobs(content=content)
 
     async def _stream_chunks(self, request: ChatCompletionRequest, outputs: AsyncIterator[dict]) -> AsyncIterator[dict]:
+        """A role chunk per choice, then the chunks of every choice (n > 1: each sample's, with its index)."""
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(choice: Optional[ChatStreamChoice], **extra) -> dict:
             c = ChatCompletionChunk(id=rid, created=created, model=request.model, choices=[choice] if choice else [], **extra)
             return c.model_dump()
 
-        sent_text, sent_tokens = 0, 0
-        last: Optional[dict] = None
+        choices = StreamedChoices()
         async with contextlib.aclosing(outputs):  # closing the stream aborts the request
-            yield chunk(ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content="")))
+            for index in range(request.n):
+                yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
             async for out in outputs:
-                last = out
+                index, sent_text, sent_tokens = choices.receive(out)
                 meta = out["meta_info"]
                 reason, matched = finish_reason(meta)
                 delta = out["text"][sent_text:]
                 if not delta and reason is None:
                     continue
                 logprobs = self._logprobs(meta, sent_tokens) if request.logprobs else None
-                sent_text, sent_tokens = len(out["text"]), len(meta.get("output_token_logprobs", []))
+                choices.mark_sent(index, out)
                 yield chunk(
                     ChatStreamChoice(
-                        index=0,
+                        index=index,
                         delta=DeltaMessage(content=delta),
                         logprobs=logprobs,
                         finish_reason=reason,
                         matched_stop=matched,
                     )
                 )
-            if request.include_usage and last is not None:
-                yield chunk(None, usage=usage([last]))
+            if request.include_usage and choices.latest:
+                yield chunk(None, usage=choices.usage(request.n))

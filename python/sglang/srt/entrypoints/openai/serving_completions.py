@@ -17,6 +17,7 @@ from sglang.srt.entrypoints.openai.protocol import (
 )
 from sglang.srt.entrypoints.openai.serving_base import (
     OpenAIServingBase,
+    StreamedChoices,
     error_response,
     finish_reason,
     sse_response,
@@ -33,8 +34,6 @@ class OpenAIServingCompletion(OpenAIServingBase):
             raise RequestError("suffix is not supported")
         if request.best_of not in (None, 1):
             raise RequestError("best_of must be 1")
-        if request.echo and request.logprobs is not None:
-            raise RequestError("echo together with logprobs is not supported")
         obj = self._to_generate_input(request)
         if request.stream:
             if obj.is_batch:
@@ -49,7 +48,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
         for i, out in enumerate(outputs):
             reason, matched = finish_reason(out["meta_info"])
             echo = self._echo_prefix(request, i // request.n)
-            logprobs = self._logprobs(out["meta_info"], 0, len(echo)) if request.logprobs is not None else None
+            logprobs = self._logprobs(request, out["meta_info"], 0, len(echo), request.echo)
             choices.append(CompletionChoice(index=i, text=echo + out["text"], logprobs=logprobs, finish_reason=reason, matched_stop=matched))
         response = CompletionResponse(model=request.model, choices=choices, usage=usage(outputs, request.n))
         return JSONResponse(response.model_dump())
@@ -63,6 +62,8 @@ class OpenAIServingCompletion(OpenAIServingBase):
             sampling_params=request.sampling_params(request.max_tokens, request.min_tokens),
             stream=request.stream,
             return_logprob=request.logprobs is not None,
+            # echo: the prompt's logprobs too, from its first token
+            logprob_start_len=0 if request.echo and request.logprobs is not None else -1,
             top_logprobs_num=request.logprobs or 0,
         )
 
@@ -75,48 +76,68 @@ class OpenAIServingCompletion(OpenAIServingBase):
         item = prompt[index] if isinstance(prompt[0], (str, list)) else prompt
         return item if isinstance(item, str) else self.tm.tokenizer.decode(item)
 
-    def _logprobs(self, meta: dict[str, Any], start: int, offset: int) -> CompletionLogprobs:
-        """Logprobs of output tokens [start:], text offsets counted from `offset`."""
-        tokens = meta.get("output_token_logprobs", [])[start:]
-        tops = meta.get("output_top_logprobs", [])[start:]
+    def _logprobs(
+        self, request: CompletionRequest, meta: dict[str, Any], start: int, offset: int, with_prompt: bool
+    ) -> Optional[CompletionLogprobs]:
+        """Logprobs of output tokens [start:], text offsets counted from `offset` (None unless
+        asked for); with_prompt (echo): the prompt tokens' first, their offsets counted from 0."""
+        if request.logprobs is None:
+            return None
         out = CompletionLogprobs()
+        if with_prompt:
+            self._append_logprobs(out, meta["input_token_logprobs"], meta["input_top_logprobs"], 0)
+        self._append_logprobs(out, meta["output_token_logprobs"][start:], meta["output_top_logprobs"][start:], offset)
+        return out
+
+    def _append_logprobs(self, out: CompletionLogprobs, tokens: list, tops: list, offset: int) -> None:
+        """(logprob, id, text) triples and their top logprobs (an entry None: none), text offsets from `offset`."""
         for k, (lp, tid, _) in enumerate(tokens):
             text = self.token_text(tid)
             out.tokens.append(text)
             out.token_logprobs.append(lp)
             out.text_offset.append(offset)
             offset += len(text)
-            if k < len(tops) and tops[k]:
-                out.top_logprobs.append({self.token_text(t): v for v, t, _ in tops[k]})
-        return out
+            if k < len(tops):
+                out.top_logprobs.append(None if tops[k] is None else self._top_by_text(tops[k]))
+
+    def _top_by_text(self, top: list) -> dict[str, float]:
+        """Top logprobs (largest first) keyed by token text: of tokens with the same text, the largest."""
+        by_text: dict[str, float] = {}
+        for v, t, _ in top:
+            by_text.setdefault(self.token_text(t), v)
+        return by_text
 
     async def _stream_chunks(self, request: CompletionRequest, outputs: AsyncIterator[dict]) -> AsyncIterator[dict]:
+        """Chunks of every choice (n > 1: each sample's, with its index); the echo and the
+        prompt's logprobs go with a choice's first chunk."""
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        sent_text, sent_tokens = 0, 0
-        echo = pending_echo = self._echo_prefix(request, 0)
-        last: Optional[dict] = None
+        echo = self._echo_prefix(request, 0)
+        choices = StreamedChoices()
+
+        def chunk(items: list[dict], **extra) -> dict:
+            return {"id": rid, "object": "text_completion", "created": created, "model": request.model, "choices": items, **extra}
+
         async with contextlib.aclosing(outputs):  # closing the stream aborts the request
             async for out in outputs:
-                last = out
+                index, sent_text, sent_tokens = choices.receive(out)
+                first = index not in choices.sent
                 meta = out["meta_info"]
                 reason, matched = finish_reason(meta)
-                delta = pending_echo + out["text"][sent_text:]
-                n_tokens = len(meta.get("output_token_logprobs", []))
+                delta = (echo if first else "") + out["text"][sent_text:]
                 if not delta and reason is None:
                     continue  # nothing new to say (e.g. an incomplete UTF-8 character)
-                pending_echo = ""
-                logprobs = None
-                if request.logprobs is not None:
-                    logprobs = self._logprobs(meta, sent_tokens, len(echo) + sent_text).model_dump()
-                sent_text, sent_tokens = len(out["text"]), n_tokens
-                choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": reason, "matched_stop": matched}
-                yield {"id": rid, "object": "text_completion", "created": created, "model": request.model, "choices": [choice]}
-            if request.include_usage and last is not None:
-                yield {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": request.model,
-                    "choices": [],
-                    "usage": usage([last]).model_dump(),
-                }
+                logprobs = self._logprobs(request, meta, sent_tokens, len(echo) + sent_text, first and request.echo)
+                choices.mark_sent(index, out)
+                yield chunk(
+                    [
+                        {
+                            "index": index,
+                            "text": delta,
+                            "logprobs": None if logprobs is None else logprobs.model_dump(),
+                            "finish_reason": reason,
+                            "matched_stop": matched,
+                        }
+                    ]
+                )
+            if request.include_usage and choices.latest:
+                yield chunk([], usage=choices.usage(request.n).model_dump())
