@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from test_triton_kernels import NEEDS_SUBPROCESS, ON_CUDA, kernel_test, rerun_under_interpreter  # patches the interpreter for NumPy >= 2.4
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.layers import gemv_triton
+from sglang.srt.kernels import gemv as gemv_module
+from sglang.srt.kernels.gemv import GemvConfig, gemv, pick_config
 from sglang.srt.layers.activation import SiluAndMul
-from sglang.srt.layers.gemv_triton import GemvConfig, gemv, pick_config
 from sglang.srt.layers.linear import stack_rows
 from sglang.srt.model_loader import get_model
 from sglang.test.model_harness import ModelHarness
@@ -125,7 +125,7 @@ def test_gemv_replays_in_cuda_graph():
     """Captured (no host reads), a replay follows the static input's new values, bit for bit,
     through a chain RMSNorm -> GEMV -> GEMV where each reads the previous output (under PDL the
     GEMVs start before their producer ends and must wait for its writes)."""
-    from sglang.srt.layers.fused_ops import rms_norm
+    from sglang.srt.kernels.elementwise import rms_norm
 
     x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
     norm = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5

@@ -35,10 +35,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
 
 from graph_timing import capture, median_replay_ms  # noqa: E402  (this folder)
-from sglang.srt.layers import gemv_triton
-from sglang.srt.layers.fused_ops import silu_and_mul
-from sglang.srt.layers.gemv_triton import GemvConfig, gemv
-from sglang.srt.layers.tuned import write_table
+from sglang.srt.kernels.elementwise import silu_and_mul
+from sglang.srt.kernels.gemv import GemvConfig, gemv, table_to_json
+from sglang.srt.kernels.tuned import write_table
 
 
 @dataclass(frozen=True)
@@ -301,7 +300,7 @@ def main() -> int:
     print("    },")
     if args.write_table:
         chosen_table = {key: tuple(entries) for key, entries in table.items() if entries}
-        print(f"# table written to {write_table('gemv', device, gemv_triton.table_to_json(chosen_table))}")
+        print(f"# table written to {write_table('gemv', device, table_to_json(chosen_table))}")
     print(f"# {time.time() - began:.0f} s")
     return 0
 

@@ -42,12 +42,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
 
 from graph_timing import capture, median_replay_ms  # noqa: E402  (this folder)
-from sglang.srt.layers.fused_ops import silu_and_mul
-from sglang.srt.layers.moe.fused_moe_triton import fused_moe
-from sglang.srt.layers.moe.kernel_config import TILE_TABLE, GemmTile, MoeKernelConfig, kernel_config
-from sglang.srt.layers.moe.topk import RoutingConfig
-from sglang.srt.layers.moe.topk_triton import router_logits, select_experts_triton
-from sglang.srt.layers.tuned import write_table
+from sglang.srt.kernels.elementwise import silu_and_mul
+from sglang.srt.kernels.moe.grouped_gemm import fused_moe
+from sglang.srt.kernels.moe.tiles import TILE_TABLE, GemmTile, MoeKernelConfig, kernel_config
+from sglang.srt.kernels.moe.routing_config import RoutingConfig
+from sglang.srt.kernels.moe.routing import router_logits, select_experts_triton
+from sglang.srt.kernels.tuned import write_table
 
 # benchmark/configs/deepseek-v2-lite.json at TP 1.
 HIDDEN, INTER, NUM_EXPERTS, TOP_K, NUM_SHARED, MOE_LAYERS = 2048, 1408, 64, 6, 2, 26

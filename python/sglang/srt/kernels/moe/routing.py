@@ -22,15 +22,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.fused_ops import (
-    _residual_sum,
-    _weighted_rms_norm,
-    fused_add_rms_norm,
-    pdl_launch,
-    rms_norm_warps,
-    signals_dependents,
-)
-from sglang.srt.layers.moe.topk import RoutingConfig
+from sglang.srt.kernels.elementwise import fused_add_rms_norm, residual_sum, rms_norm_warps, weighted_rms_norm
+from sglang.srt.kernels.launch import pdl_launch, signals_dependents
+from sglang.srt.kernels.moe.routing_config import RoutingConfig
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
 _METHOD_CODES = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
@@ -123,8 +117,8 @@ def _add_rms_norm_router_kernel(
     w = tl.load(router_w_ptr + e * router_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    s = _residual_sum(x_ptr + t * x_stride, res_ptr + t * res_stride, cols, mask, res_out_ptr.dtype.element_ty)
-    normed = _weighted_rms_norm(s, norm_w_ptr, cols, mask, hidden, eps).to(normed_ptr.dtype.element_ty)
+    s = residual_sum(x_ptr + t * x_stride, res_ptr + t * res_stride, cols, mask, res_out_ptr.dtype.element_ty)
+    normed = weighted_rms_norm(s, norm_w_ptr, cols, mask, hidden, eps).to(normed_ptr.dtype.element_ty)
     tl.store(logits_ptr + t * num_experts + e, tl.sum(normed.to(tl.float32) * w, axis=0))
     if e == 0:
         tl.store(res_out_ptr + t * hidden + cols, s, mask=mask)

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.layers.tuned import load_table
+from sglang.srt.kernels.tuned import load_table
 
 
 @dataclass(frozen=True)

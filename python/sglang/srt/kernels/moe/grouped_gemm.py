@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.moe.fused_moe_gemv import moe_gemv
-from sglang.srt.layers.moe.kernel_config import GemmTile, MoeKernelConfig, kernel_config
+from sglang.srt.kernels.moe.gemv import moe_gemv
+from sglang.srt.kernels.moe.tiles import GemmTile, MoeKernelConfig, kernel_config
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 from sglang.srt.utils.triton_precision import dot_precision
 
