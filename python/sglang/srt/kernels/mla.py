@@ -7,7 +7,7 @@ rotates q head h of token t into q_out[t, h, L:]; program (t, H) writes k[t] = l
 rope(k_pe[t]), into a new tensor or straight into the KV pool's rows, and can RMS-norm the
 latent first (kv_a_layernorm). One launch where the norm, the RoPE kernel, two
 concatenations and the pool's store took five. cos/sin are the rotary
-module's table row of the position times `scale`, and the rotation is fused_ops' own, so
+module's table row of the position times `scale`, and the rotation is elementwise.py's own, so
 every value equals the rope module's forward_triton.
 
 `head_matmul_triton`: out[t, h] = a[t, h] @ b[h] for up to HEAD_MATMUL_MAX_TOKENS tokens,

@@ -5,7 +5,7 @@ the full (unsharded) checkpoint tensor and copies this rank's slice into place.
 Weights are stored [out_features, in_features] like nn.Linear. Sharded layers take the
 group they shard over (default: the TP group; attention layers pass the attention-TP group).
 Every product goes through `linear`: cuBLAS, or on CUDA at decode batch sizes the Triton
-GEMV where its measured table says it is faster (layers/gemv_triton.py).
+GEMV where its measured table says it is faster (kernels/gemv.py).
 """
 
 from __future__ import annotations

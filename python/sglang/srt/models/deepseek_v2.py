@@ -140,7 +140,7 @@ class DeepseekV2MoE(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(norm(x + residual)), x + residual); on CUDA the add, the norm and the
-        router's logits share one launch (topk_triton.add_rms_norm_router_logits)."""
+        router's logits share one launch (routing.add_rms_norm_router_logits)."""
         if not x.is_cuda:
             normed, s = norm(x, residual)
             return self(normed), s

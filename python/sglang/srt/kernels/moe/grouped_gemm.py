@@ -1,7 +1,7 @@
 """Triton fused MoE: the same SiLU-gated experts as `moe_forward_native`, without host syncs.
 
-The tile configuration comes from the number of (token, slot) pairs (kernel_config.py).
-Decode-sized batches take the GEMV kernels of fused_moe_gemv.py. Otherwise the pairs are
+The tile configuration comes from the number of (token, slot) pairs (tiles.py).
+Decode-sized batches take the GEMV kernels of gemv.py. Otherwise the pairs are
 sorted by expert on device and each expert's run is padded to a multiple of BLOCK_M, so
 every block of BLOCK_M sorted rows belongs to a single expert. Two grouped GEMMs then run
 over those blocks: w13 with SiLU(gate) * up fused into its epilogue, and w2 with the routing

@@ -106,7 +106,7 @@ def _add_rms_norm_router_kernel(
     BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (t, e): token t's s = x + residual and normed = norm_w * rmsnorm(s), computed as
-    # fused_ops' add-RMSNorm kernel computes them (same helpers, same block and warps), then
+    # elementwise.py's add-RMSNorm kernel computes them (same helpers, same block and warps), then
     # expert e's float32 logit of normed. Program (t, 0) also stores s and normed. PDL:
     # launched before the previous kernel ends, it loads its router row, then waits for that
     # kernel's writes.
@@ -128,7 +128,7 @@ def _add_rms_norm_router_kernel(
 def add_rms_norm_router_logits(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, router_weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(normed, s, logits) for s = x + residual [T, hidden], normed = fused_ops.fused_add_rms_norm's
+    """(normed, s, logits) for s = x + residual [T, hidden], normed = elementwise.fused_add_rms_norm's
     output and logits = router_logits(normed, router_weight): one launch where those take two
     (router_fuses_add_norm's batches; others take them in turn)."""
     num_tokens, hidden = x.shape

@@ -108,7 +108,7 @@ class FusedMoE(nn.Module):
 
     def warm_up_kernels(self, max_tokens: int) -> int:
         """CUDA: compile the expert kernels' variants for batches of up to max_tokens tokens now
-        (fused_moe_triton.warm_up_variants); returns the batches run (0 off CUDA)."""
+        (grouped_gemm.warm_up_variants); returns the batches run (0 off CUDA)."""
         if not self.w13_weight.is_cuda:
             return 0
         from sglang.srt.kernels.moe.grouped_gemm import warm_up_variants
