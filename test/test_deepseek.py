@@ -34,7 +34,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.moe import fused_moe
 from sglang.srt.layers.moe.fused_moe import moe_forward_native
-from sglang.srt.layers.moe.topk import RoutingConfig, select_experts
+from sglang.srt.kernels.moe.routing_config import RoutingConfig
+from sglang.srt.layers.moe.topk import select_experts
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.model_loader.loader import get_model

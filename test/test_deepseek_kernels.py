@@ -36,12 +36,13 @@ from test_triton_kernels import (  # noqa: E402  (patches the interpreter for Nu
     rerun_under_interpreter,
 )
 
-from sglang.srt.layers.deepseek_rotary import DeepseekScalingRotaryEmbedding, mla_rope_pack, yarn_inv_freq  # noqa: E402
+from sglang.srt.kernels.moe.routing_config import RoutingConfig  # noqa: E402
+from sglang.srt.kernels.moe.tiles import GemmTile, MoeKernelConfig  # noqa: E402
+from sglang.srt.layers.deepseek_rotary import mla_rope_pack  # noqa: E402
 from sglang.srt.layers.layernorm import RMSNorm  # noqa: E402
 from sglang.srt.layers.moe.fused_moe import moe_forward_native  # noqa: E402
-from sglang.srt.layers.moe.kernel_config import GemmTile, MoeKernelConfig  # noqa: E402
-from sglang.srt.layers.moe.topk import RoutingConfig, select_experts  # noqa: E402
-from sglang.srt.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+from sglang.srt.layers.moe.topk import select_experts  # noqa: E402
+from sglang.srt.layers.rotary_embedding import DeepseekScalingRotaryEmbedding, RotaryEmbedding, yarn_inv_freq  # noqa: E402
 from sglang.test.attention_batches import AttnShape  # noqa: E402
 
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -126,7 +127,7 @@ def _interpreted_pack(
     rope, positions, q_pe, k_pe, latent, q_out, kv_store=None, latent_norm=None
 ) -> torch.Tensor | None:
     """The Triton path on CPU tensors (mla_rope_pack dispatches on is_cuda)."""
-    from sglang.srt.layers.mla_triton import mla_rope_pack_triton
+    from sglang.srt.kernels.mla import mla_rope_pack_triton
 
     scale = rope.mscale if isinstance(rope, DeepseekScalingRotaryEmbedding) else 1.0
     norm = None if latent_norm is None else (latent_norm.weight, latent_norm.variance_epsilon)
@@ -203,7 +204,7 @@ def test_deepseek_with_the_latent_stored_by_rope_matches_plain(tmp_path):
 @pytest.mark.parametrize("num_tokens", [0, 1, 3, 16, 17, 40])
 @pytest.mark.parametrize("shape", [(8, 40), (64, 2048)] + ([(256, 7168)] if ON_CUDA else []))
 def test_router_logits_match_float32_linear(shape, num_tokens):
-    from sglang.srt.layers.moe.topk_triton import router_logits
+    from sglang.srt.kernels.moe.routing import router_logits
 
     num_experts, hidden = shape
     gen = torch.Generator().manual_seed(num_tokens + hidden)
@@ -222,8 +223,8 @@ def test_router_logits_match_float32_linear(shape, num_tokens):
 @pytest.mark.parametrize("shape", [(8, 40), (64, 2048)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_norm_router_logits_equal_the_norm_then_the_router(shape, num_tokens, dtype):
-    from sglang.srt.layers.fused_ops import fused_add_rms_norm
-    from sglang.srt.layers.moe.topk_triton import add_rms_norm_router_logits, router_logits
+    from sglang.srt.kernels.elementwise import fused_add_rms_norm
+    from sglang.srt.kernels.moe.routing import add_rms_norm_router_logits, router_logits
 
     num_experts, hidden = shape
     gen = torch.Generator().manual_seed(num_tokens + hidden)
@@ -244,7 +245,7 @@ def test_deepseek_with_pdl_and_the_fused_router_matches_without(tmp_path, monkey
     norm in the router's launch gives the logits and greedy tokens of the same model with
     neither (SGLANG_DISABLE_PDL, then the norm and the router in turn)."""
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.layers import fused_ops
+    from sglang.srt.kernels import launch
     from sglang.srt.model_loader.loader import get_model
     from sglang.test.model_harness import ModelHarness
     from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
@@ -254,17 +255,17 @@ def test_deepseek_with_pdl_and_the_fused_router_matches_without(tmp_path, monkey
     prompts = [[5, 17, 42, 7, 99], [3], [11, 12, 13, 200, 201, 202]]
 
     def run() -> tuple[list[torch.Tensor], list[list[int]]]:
-        fused_ops.signals_dependents.cache_clear()
+        launch.signals_dependents.cache_clear()
         harness = ModelHarness(model, config, DEVICE)
         return harness.run_prefill(prompts), harness.greedy_generate(prompts, max_new_tokens=6)
 
-    assert fused_ops.signals_dependents(torch.device(DEVICE)) == (torch.cuda.get_device_capability()[0] >= 9)
+    assert launch.signals_dependents(torch.device(DEVICE)) == (torch.cuda.get_device_capability()[0] >= 9)
     logits, tokens = run()
     monkeypatch.setenv("SGLANG_DISABLE_PDL", "1")
-    monkeypatch.setattr("sglang.srt.layers.moe.topk_triton.router_fuses_add_norm", lambda *_: False)
+    monkeypatch.setattr("sglang.srt.kernels.moe.routing.router_fuses_add_norm", lambda *_: False)
     ref_logits, ref_tokens = run()
-    assert not fused_ops.signals_dependents(torch.device(DEVICE))
-    fused_ops.signals_dependents.cache_clear()
+    assert not launch.signals_dependents(torch.device(DEVICE))
+    launch.signals_dependents.cache_clear()
     assert tokens == ref_tokens
     for got, want in zip(logits, ref_logits, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -304,8 +305,8 @@ def test_fused_moe_at_v2_lite_widths(num_tokens, config):
 
 
 def _check_fused_moe_with_shared(routing, num_tokens, config, dtype, hidden, inter):
-    from sglang.srt.layers.moe.fused_moe_triton import fused_moe
-    from sglang.srt.layers.moe.topk_triton import select_experts_triton
+    from sglang.srt.kernels.moe.grouped_gemm import fused_moe
+    from sglang.srt.kernels.moe.routing import select_experts_triton
 
     num_experts, num_shared = routing.num_experts, routing.num_shared_experts
     gen = torch.Generator().manual_seed(num_tokens + num_shared)
@@ -352,7 +353,7 @@ def test_every_benchmarked_mla_decode_tile_gives_the_default_tiles_output(monkey
     import importlib.util
     from pathlib import Path
 
-    from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention
+    from sglang.srt.kernels.attention.decode import decode_attention
 
     kernels_dir = Path(__file__).resolve().parents[1] / "benchmark" / "kernels"
     monkeypatch.syspath_prepend(str(kernels_dir))  # the bench imports its folder's graph_timing
@@ -375,7 +376,7 @@ def test_every_benchmarked_mla_decode_tile_gives_the_default_tiles_output(monkey
 def test_head_matmul_matches_bmm(num_tokens, dtype):
     """MLA's two absorbed projections at DeepSeek's widths: q_nope @ W_UK into q's latent
     channels (strided a, out a channel slice) and o_latent @ W_UV^T (b transposed)."""
-    from sglang.srt.layers.mla_triton import head_matmul_triton
+    from sglang.srt.kernels.mla import head_matmul_triton
 
     heads, nope, rope, latent, v = 4, 128, 64, 512, 128
     gen = torch.Generator().manual_seed(num_tokens)

@@ -17,14 +17,14 @@ import pytest
 import torch
 from test_triton_kernels import NEEDS_SUBPROCESS, ON_CUDA, kernel_test, rerun_under_interpreter  # patches the interpreter for NumPy >= 2.4
 
+from sglang.srt.kernels.step_ops import argmax, store_kv
 from sglang.srt.layers.activation import SiluAndMul
-from sglang.srt.layers.deepseek_rotary import DeepseekScalingRotaryEmbedding
 from sglang.srt.layers.layernorm import RMSNorm, rms_norm_pair
-from sglang.srt.layers.rotary_embedding import Llama3RotaryEmbedding, RotaryEmbedding, as_heads
-from sglang.srt.layers.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo
-from sglang.srt.layers.step_ops import argmax, store_kv
+from sglang.srt.layers.rotary_embedding import DeepseekScalingRotaryEmbedding, Llama3RotaryEmbedding, RotaryEmbedding
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.sampling.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.utils.heads import as_heads
 
 DEVICE = "cuda" if ON_CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if ON_CUDA else [torch.float32]
@@ -111,9 +111,9 @@ def test_rms_norm_pair(case, dtype):
                 stack.enter_context(mock.patch.object(norm, "forward_native", side_effect=torch_path))
             got = rms_norm_pair(dev_a, a.to(DEVICE), dev_b, b.to(DEVICE))
     else:
-        from sglang.srt.layers import fused_ops
+        from sglang.srt.kernels import elementwise
 
-        got = fused_ops.rms_norm_pair(a, dev_a.weight, 1e-6, b, dev_b.weight, 1e-3)
+        got = elementwise.rms_norm_pair(a, dev_a.weight, 1e-6, b, dev_b.weight, 1e-3)
     assert got.shape == ref.shape and got.dtype == ref.dtype and got.is_contiguous()
     torch.testing.assert_close(got.cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 

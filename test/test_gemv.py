@@ -1,4 +1,4 @@
-"""The decode GEMV (layers/gemv_triton.py) against F.linear, its gated form against the GEMM +
+"""The decode GEMV (kernels/gemv.py) against F.linear, its gated form against the GEMM +
 SiluAndMul it replaces, the dispatch table, and a tiny Llama run with every GEMV, the gated MLP
 and the rope + KV-store kernel forced on against the plain layers.
 
@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from test_triton_kernels import NEEDS_SUBPROCESS, ON_CUDA, kernel_test, rerun_under_interpreter  # patches the interpreter for NumPy >= 2.4
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.layers import gemv_triton
+from sglang.srt.kernels import gemv as gemv_module
+from sglang.srt.kernels.gemv import GemvConfig, gemv, pick_config
 from sglang.srt.layers.activation import SiluAndMul
-from sglang.srt.layers.gemv_triton import GemvConfig, gemv, pick_config
 from sglang.srt.layers.linear import stack_rows
 from sglang.srt.model_loader import get_model
 from sglang.test.model_harness import ModelHarness
@@ -125,7 +125,7 @@ def test_gemv_replays_in_cuda_graph():
     """Captured (no host reads), a replay follows the static input's new values, bit for bit,
     through a chain RMSNorm -> GEMV -> GEMV where each reads the previous output (under PDL the
     GEMVs start before their producer ends and must wait for its writes)."""
-    from sglang.srt.layers.fused_ops import rms_norm
+    from sglang.srt.kernels.elementwise import rms_norm
 
     x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
     norm = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
@@ -154,7 +154,7 @@ def test_pick_config_reads_the_table():
     fma, dot = GemvConfig(8, 512), GemvConfig(16, 256, use_dot=True)
     table = {(6144, 4096, False): ((1, fma), (4, None), (16, dot))}
     weight = torch.empty(6144, 4096, dtype=torch.bfloat16)
-    with mock.patch.object(gemv_triton, "_device_table", return_value=table):
+    with mock.patch.object(gemv_module, "_device_table", return_value=table):
         assert [pick_config(r, weight) for r in (0, 1, 2, 4, 5, 16, 17)] == [fma, fma, None, None, dot, dot, None]
         assert pick_config(1, weight, gated=True) is None
         assert pick_config(1, weight.half()) == fma
@@ -204,7 +204,7 @@ def test_model_with_fused_decode_kernels_matches_plain_layers(biased_llama, conf
     prompts = [[5, 17, 42, 7, 99], [3], [11, 12, 13, 200, 201, 202]]
     ref = _prefill_and_decode(ModelHarness(model, model_config, DEVICE), prompts, steps=2)
     harness = ModelHarness(model, model_config, DEVICE)
-    gemv_calls = mock.patch.object(gemv_triton, "gemv", wraps=gemv)
+    gemv_calls = mock.patch.object(gemv_module, "gemv", wraps=gemv)
     patches = _forced(config)
     with patches[0], patches[1], gemv_calls as spy:
         got = _prefill_and_decode(harness, prompts, steps=2)

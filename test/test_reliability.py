@@ -19,7 +19,7 @@ import requests
 import torch
 from safetensors.torch import load_file, save_file
 
-from sglang.srt.layers.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo
+from sglang.srt.sampling.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.utils.process import descendant_pids
 from sglang.test.server_utils import kill_server, popen_launch_server, wait_until_gone

@@ -18,9 +18,9 @@ import torch
 
 import sglang as sgl
 from sglang.srt.entrypoints.openai.serving_base import start_stream
-from sglang.srt.layers.sampler import Sampler, SamplingBatchInfo
 from sglang.srt.managers.io_struct import ProfileReq, TokenizedGenerateReqInput
 from sglang.srt.managers.tokenizer_manager import RequestError
+from sglang.srt.sampling.sampler import Sampler, SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 from sglang.test.inprocess_scheduler import start_scheduler

@@ -1,6 +1,6 @@
 import torch
 
-from sglang.srt.layers.sampler import Sampler, SamplingBatchInfo
+from sglang.srt.sampling.sampler import Sampler, SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 

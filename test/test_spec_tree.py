@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-from sglang.srt.layers.sampler import Sampler, SamplingBatchInfo
+from sglang.srt.sampling.sampler import Sampler, SamplingBatchInfo
 from sglang.srt.model_executor.cuda_graph_runner import PAD_KV_SLOT
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.speculative.draft_loop import DraftLoop

@@ -55,10 +55,7 @@ def _interpreter_numpy2_compat() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_numpy2_compat()
 
-from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
-from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from sglang.srt.layers.moe.fused_moe import moe_forward_native  # noqa: E402
-from sglang.srt.layers.moe.fused_moe_triton import (  # noqa: E402
+from sglang.srt.kernels.moe.grouped_gemm import (  # noqa: E402
     MAX_PAIRS_ONE_PROGRAM,
     _align_by_expert_torch,
     align_by_expert,
@@ -67,8 +64,12 @@ from sglang.srt.layers.moe.fused_moe_triton import (  # noqa: E402
     variant_token_counts,
     warm_up_variants,
 )
-from sglang.srt.layers.moe.topk import RoutingConfig, select_experts  # noqa: E402
-from sglang.srt.layers.moe.topk_triton import select_experts_triton  # noqa: E402
+from sglang.srt.kernels.moe.routing import select_experts_triton  # noqa: E402
+from sglang.srt.kernels.moe.routing_config import RoutingConfig  # noqa: E402
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from sglang.srt.layers.moe.fused_moe import moe_forward_native  # noqa: E402
+from sglang.srt.layers.moe.topk import select_experts  # noqa: E402
 from sglang.test.attention_batches import AttnShape, make_attention_batch  # noqa: E402
 
 DEVICE = "cuda" if ON_CUDA else "cpu"

@@ -48,11 +48,11 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     step small_deepseek_prefill 90 python3 -m sglang.bench_one_batch --model-path "$small_dir" --load-format dummy \
       --batch-size 1 32 --input-len 276 --output-len 8
     ;;
-  tune)  # measured kernel tables for this GPU (layers/tuned/*.json; copies in $OUT)
+  tune)  # measured kernel tables for this GPU (kernels/tuned/*.json; copies in $OUT)
     # shellcheck disable=SC2086
     step tune_gemv 200 python3 benchmark/kernels/bench_gemv.py --rows 1 4 8 32 --write-table --jsonl "$out/gemv.jsonl" ${GEMV_FLAGS:-}
     step tune_moe 150 python3 benchmark/kernels/bench_moe.py --budget 45 --write-table
-    cp python/sglang/srt/layers/tuned/*.json "$out/" 2>/dev/null
+    cp python/sglang/srt/kernels/tuned/*.json "$out/" 2>/dev/null
     ;;
   decode)  # decode step with CUDA graphs, and Hugging Face transformers on the same machine
     step llama8b_decode 150 python3 benchmark/bench_decode.py --config benchmark/configs/llama-3.1-8b.json \
@@ -75,10 +75,10 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
       --batch-sizes 1 32 -- --cuda-graph-max-bs 32
     grep -h "warmed up" "$out/$name.log" | tail -1 | tee -a "$out/summary.log"
     ;;
-  gemv-pdl)  # V2-Lite's GEMV table measured with PDL tiles allowed (into this machine's copy of layers/tuned/)
+  gemv-pdl)  # V2-Lite's GEMV table measured with PDL tiles allowed (into this machine's copy of kernels/tuned/)
     step tune_gemv_v2lite 200 python3 benchmark/kernels/bench_gemv.py --models v2lite --rows 1 4 8 32 --write-table \
       --jsonl "$out/gemv_v2lite.jsonl"
-    cp python/sglang/srt/layers/tuned/gemv-*.json "$out/" 2>/dev/null
+    cp python/sglang/srt/kernels/tuned/gemv-*.json "$out/" 2>/dev/null
     ;;
   profile-deepseek)  # V2-Lite's batch-1 decode step: op tables and timeline summary
     step dsv2lite_profile 150 python3 benchmark/profile_engine.py --config benchmark/configs/deepseek-v2-lite.json \

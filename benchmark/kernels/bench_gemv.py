@@ -1,4 +1,4 @@
-"""Decode GEMMs: cuBLAS (F.linear) vs the Triton GEMV of layers/gemv_triton.py, on CUDA.
+"""Decode GEMMs: cuBLAS (F.linear) vs the Triton GEMV of kernels/gemv.py, on CUDA.
 
     python benchmark/kernels/bench_gemv.py [--models llama8b v2lite smollm2] [--rows 1 4 8 16 32]
 
@@ -11,7 +11,7 @@ GEMM + SiluAndMul against the gated kernel; LM heads write float32 logits on bot
 Writes a JSON line per (shape, M, implementation) with us per call and TB/s (weight bytes /
 time), to stdout or --jsonl, then prints a summary of the best per shape, the GEMM time per
 decode step of each model, and last the table that takes the kernel where it beats cuBLAS by
-`--margin`; --write-table stores it as layers/tuned/gemv-<GPU>.json, which pick_config reads.
+`--margin`; --write-table stores it as kernels/tuned/gemv-<GPU>.json, which pick_config reads.
 Kernels compile first in --jobs processes (the on-disk Triton cache then serves the timing process).
 """
 
@@ -35,10 +35,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
 
 from graph_timing import capture, median_replay_ms  # noqa: E402  (this folder)
-from sglang.srt.layers import gemv_triton
-from sglang.srt.layers.fused_ops import silu_and_mul
-from sglang.srt.layers.gemv_triton import GemvConfig, gemv
-from sglang.srt.layers.tuned import write_table
+from sglang.srt.kernels.elementwise import silu_and_mul
+from sglang.srt.kernels.gemv import GemvConfig, gemv, table_to_json
+from sglang.srt.kernels.tuned import write_table
 
 
 @dataclass(frozen=True)
@@ -252,7 +251,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=8, help="processes compiling the kernels first (0: none)")
     parser.add_argument("--jsonl", help="write the JSON lines to this file instead of stdout")
     parser.add_argument("--no-pdl", action="store_true", help="leave out the PDL tiles (and from the table)")
-    parser.add_argument("--write-table", action="store_true", help="store the table where the kernel reads it (layers/tuned/)")
+    parser.add_argument("--write-table", action="store_true", help="store the table where the kernel reads it (kernels/tuned/)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gemv: CUDA is required", file=sys.stderr)
@@ -301,7 +300,7 @@ def main() -> int:
     print("    },")
     if args.write_table:
         chosen_table = {key: tuple(entries) for key, entries in table.items() if entries}
-        print(f"# table written to {write_table('gemv', device, gemv_triton.table_to_json(chosen_table))}")
+        print(f"# table written to {write_table('gemv', device, table_to_json(chosen_table))}")
     print(f"# {time.time() - began:.0f} s")
     return 0
 

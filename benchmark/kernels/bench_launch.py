@@ -30,10 +30,10 @@ import triton.language as tl  # noqa: E402
 
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from sglang.srt.layers.fused_ops import fused_add_rms_norm  # noqa: E402
-from sglang.srt.layers.moe.fused_moe_triton import fused_moe  # noqa: E402
-from sglang.srt.layers.moe.topk import RoutingConfig  # noqa: E402
-from sglang.srt.layers.moe.topk_triton import router_logits, select_experts_triton  # noqa: E402
+from sglang.srt.kernels.elementwise import fused_add_rms_norm  # noqa: E402
+from sglang.srt.kernels.moe.grouped_gemm import fused_moe  # noqa: E402
+from sglang.srt.kernels.moe.routing_config import RoutingConfig  # noqa: E402
+from sglang.srt.kernels.moe.routing import router_logits, select_experts_triton  # noqa: E402
 
 # The small trained DeepSeek's routing (benchmark/configs/deepseek-v3-small-mtp.json).
 ROUTING = RoutingConfig(

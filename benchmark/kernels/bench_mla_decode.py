@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
 
 from graph_timing import capture, median_replay_ms  # noqa: E402  (this folder)
-from sglang.srt.layers.attention.triton_ops.common import HeadDimTiling  # noqa: E402
-from sglang.srt.layers.attention.triton_ops.decode_attention import (  # noqa: E402
+from sglang.srt.kernels.attention.common import HeadDimTiling  # noqa: E402
+from sglang.srt.kernels.attention.decode import (  # noqa: E402
     DecodeTile,
     decode_attention,
     default_tile,

@@ -20,7 +20,7 @@ included) over that time. Paths:
   those with 64-row blocks swept past 64 pairs (and the GEMV winner once, for the crossover).
 
 Every config's output is checked against "main" before it is timed. Prints one JSON line per
-measurement, then the recommended TILE_TABLE rows (kernel_config.py) and the saving per step.
+measurement, then the recommended TILE_TABLE rows (tiles.py) and the saving per step.
 Triton compiles most of the 2 minutes; past --budget seconds the sweeps stop early.
 """
 
@@ -42,12 +42,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
 
 from graph_timing import capture, median_replay_ms  # noqa: E402  (this folder)
-from sglang.srt.layers.fused_ops import silu_and_mul
-from sglang.srt.layers.moe.fused_moe_triton import fused_moe
-from sglang.srt.layers.moe.kernel_config import TILE_TABLE, GemmTile, MoeKernelConfig, kernel_config
-from sglang.srt.layers.moe.topk import RoutingConfig
-from sglang.srt.layers.moe.topk_triton import router_logits, select_experts_triton
-from sglang.srt.layers.tuned import write_table
+from sglang.srt.kernels.elementwise import silu_and_mul
+from sglang.srt.kernels.moe.grouped_gemm import fused_moe
+from sglang.srt.kernels.moe.tiles import TILE_TABLE, GemmTile, MoeKernelConfig, kernel_config
+from sglang.srt.kernels.moe.routing_config import RoutingConfig
+from sglang.srt.kernels.moe.routing import router_logits, select_experts_triton
+from sglang.srt.kernels.tuned import write_table
 
 # benchmark/configs/deepseek-v2-lite.json at TP 1.
 HIDDEN, INTER, NUM_EXPERTS, TOP_K, NUM_SHARED, MOE_LAYERS = 2048, 1408, 64, 6, 2, 26
@@ -196,7 +196,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="distinct layers per graph (HBM, not L2)")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--budget", type=float, default=90, help="seconds after which the sweeps stop early")
-    parser.add_argument("--write-table", action="store_true", help="store the best configs where the kernels read them (layers/tuned/)")
+    parser.add_argument("--write-table", action="store_true", help="store the best configs where the kernels read them (kernels/tuned/)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_moe needs a CUDA device")
@@ -212,7 +212,7 @@ def main() -> None:
         print(f"#   {s['tokens']:>3} tokens: main {s['main_ms']:.4f} ms, table {s['table_ms']:.4f} ms, best "
               f"{s['best_ms']:.4f} ms ({s['best_path']}, {s['tb_s']:.2f} TB/s); best saves "
               f"{(s['main_ms'] - s['best_ms']) * MOE_LAYERS:.3f} ms per step over main")
-    print("# Recommended TILE_TABLE rows for python/sglang/srt/layers/moe/kernel_config.py (pair bounds are the")
+    print("# Recommended TILE_TABLE rows for python/sglang/srt/kernels/moe/tiles.py (pair bounds are the")
     print("# measured batches' pairs; keep a final sys.maxsize row):")
     for s in summary:
         print(f"    ({s['pairs']}, {s['best']!r}),  # {s['tokens']} tokens")

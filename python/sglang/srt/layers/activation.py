@@ -14,7 +14,7 @@ class SiluAndMul(nn.Module):
         return (self.forward_triton if x.is_cuda else self.forward_native)(x)
 
     def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
-        from sglang.srt.layers.fused_ops import silu_and_mul  # triton ships with CUDA builds of torch
+        from sglang.srt.kernels.elementwise import silu_and_mul  # triton ships with CUDA builds of torch
 
         return silu_and_mul(x)
 

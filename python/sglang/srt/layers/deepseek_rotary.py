@@ -1,131 +1,14 @@
-"""YaRN rotary embedding as DeepSeek-V2/V3 configure it (mscale / mscale_all_dim), and the
-MLA step that writes the rotated rope channels into the buffers attention reads.
-
-Like every RotaryEmbedding, the module keeps one float32 cos|sin table, here over the scaled
-context (original max position x factor, as SGLang / vLLM size it); the table is unscaled and
-mscale multiplies at rotation time. Rows are float(position) * inv_freq exactly as an on-the-fly
-outer product computes them, so a lookup changes no value; positions must lie inside the table.
-"""
+"""The MLA step of DeepSeek-V2/V3 that writes the rotated rope channels into the buffers
+attention reads (one kernel on CUDA)."""
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
 from sglang.srt.layers.layernorm import RMSNorm
-from sglang.srt.layers.rotary_embedding import RotaryEmbedding, as_heads
-
-
-def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
-    """YaRN magnitude correction; the softmax scale of MLA is multiplied by its square."""
-    if scale <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _correction_dim(num_rotations: float, dim: int, base: float, max_position: int) -> float:
-    return (dim * math.log(max_position / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
-
-
-def yarn_inv_freq(
-    rotary_dim: int,
-    base: float,
-    scaling_factor: float,
-    original_max_position: int,
-    beta_fast: float,
-    beta_slow: float,
-    extrapolation_factor: float = 1.0,
-) -> torch.Tensor:
-    """Inverse frequencies blended between extrapolation (high freq) and interpolation (low freq)."""
-    pos_freqs = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
-    extrapolation = 1.0 / pos_freqs
-    interpolation = 1.0 / (scaling_factor * pos_freqs)
-    low = max(math.floor(_correction_dim(beta_fast, rotary_dim, base, original_max_position)), 0)
-    high = min(math.ceil(_correction_dim(beta_slow, rotary_dim, base, original_max_position)), rotary_dim - 1)
-    if low == high:
-        high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolation_weight = (1 - ramp) * extrapolation_factor
-    return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
-
-
-class DeepseekScalingRotaryEmbedding(RotaryEmbedding):
-    """Rotary embedding with DeepSeek's YaRN scaling.
-
-    `max_position_embeddings` is the *original* (pre-scaling) context length, which sets the
-    YaRN correction range; the table covers that times `scaling_factor` positions. The rotation
-    of the first `rotary_dim` channels of every head is multiplied by
-    mscale(factor, mscale) / mscale(factor, mscale_all_dim) * attn_factor.
-    is_neox_style=False rotates interleaved pairs (x0, x1), (x2, x3), ... as DeepSeek does.
-    """
-
-    def __init__(
-        self,
-        head_size: int,
-        rotary_dim: int,
-        max_position_embeddings: int,
-        base: float,
-        is_neox_style: bool,
-        scaling_factor: float,
-        dtype: torch.dtype | None = None,
-        *,
-        extrapolation_factor: float = 1.0,
-        attn_factor: float = 1.0,
-        beta_fast: float = 32,
-        beta_slow: float = 1,
-        mscale: float = 1.0,
-        mscale_all_dim: float = 0.0,
-    ):
-        self.scaling_factor = scaling_factor
-        self.original_max_position = max_position_embeddings
-        self.extrapolation_factor = extrapolation_factor
-        self.beta_fast, self.beta_slow = beta_fast, beta_slow
-        self.mscale = (
-            yarn_get_mscale(scaling_factor, mscale) / yarn_get_mscale(scaling_factor, mscale_all_dim) * attn_factor
-        )
-        table_len = int(max_position_embeddings * scaling_factor)
-        super().__init__(head_size, rotary_dim, table_len, base, is_neox_style, dtype)
-
-    def _compute_inv_freq(self) -> torch.Tensor:
-        return yarn_inv_freq(
-            self.rotary_dim, self.base, self.scaling_factor, self.original_max_position,
-            self.beta_fast, self.beta_slow, self.extrapolation_factor,
-        )
-
-    def forward_triton(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One kernel: table rows by position, times mscale, rotate q and k in float32."""
-        from sglang.srt.layers.fused_ops import rotary_embedding  # triton ships with CUDA builds of torch
-
-        cos, sin = self.cos_sin_cache.chunk(2, dim=-1)
-        return rotary_embedding(
-            positions.flatten(), query, key, cos, sin, self.head_size, self.rotary_dim, self.is_neox_style, self.mscale
-        )
-
-    def forward_native(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotates in float32 and rounds once (RotaryEmbedding rounds cos/sin to the input dtype)."""
-        cos, sin = (self.cos_sin_cache.index_select(0, positions.flatten()) * self.mscale)[:, None, :].chunk(2, dim=-1)
-        q = self._rotate_float32(as_heads(query, self.head_size), cos, sin)
-        k = self._rotate_float32(as_heads(key, self.head_size), cos, sin)
-        return q.view(query.shape), k.view(key.shape)
-
-    def _rotate_float32(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, head_size]; cos/sin: [T, 1, rotary_dim // 2]
-        rot = x[..., : self.rotary_dim].float()
-        if self.is_neox_style:
-            x1, x2 = rot.chunk(2, dim=-1)
-            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        else:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-        if self.rotary_dim == self.head_size:
-            return out.to(x.dtype)
-        return torch.cat((out.to(x.dtype), x[..., self.rotary_dim :]), dim=-1)
+from sglang.srt.layers.rotary_embedding import DeepseekScalingRotaryEmbedding, RotaryEmbedding
 
 
 def mla_rope_pack(
@@ -153,7 +36,7 @@ def mla_rope_pack(
     latent_dim, rot = latent.shape[-1], q_pe.shape[-1]
     assert rope.rotary_dim == rope.head_size == rot and q_out.shape[-1] == latent_dim + rot
     if q_pe.is_cuda:
-        from sglang.srt.layers.mla_triton import mla_rope_pack_triton  # triton ships with CUDA builds of torch
+        from sglang.srt.kernels.mla import mla_rope_pack_triton  # triton ships with CUDA builds of torch
 
         scale = rope.mscale if isinstance(rope, DeepseekScalingRotaryEmbedding) else 1.0
         norm = None if latent_norm is None else (latent_norm.weight, latent_norm.variance_epsilon)

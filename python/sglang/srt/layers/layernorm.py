@@ -23,11 +23,11 @@ class RMSNorm(nn.Module):
     def forward_triton(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        from sglang.srt.layers import fused_ops  # triton ships with CUDA builds of torch
+        from sglang.srt.kernels import elementwise  # triton ships with CUDA builds of torch
 
         if residual is None:
-            return fused_ops.rms_norm(x, self.weight, self.variance_epsilon)
-        return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+            return elementwise.rms_norm(x, self.weight, self.variance_epsilon)
+        return elementwise.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
 
     def forward_native(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
@@ -45,8 +45,8 @@ class RMSNorm(nn.Module):
 def rms_norm_pair(norm_a: RMSNorm, a: torch.Tensor, norm_b: RMSNorm, b: torch.Tensor) -> torch.Tensor:
     """norm_a(a) ‖ norm_b(b) along the last dim: one kernel on CUDA instead of two norms and a cat."""
     if a.is_cuda:
-        from sglang.srt.layers import fused_ops  # triton ships with CUDA builds of torch
+        from sglang.srt.kernels import elementwise  # triton ships with CUDA builds of torch
 
         eps_a, eps_b = norm_a.variance_epsilon, norm_b.variance_epsilon
-        return fused_ops.rms_norm_pair(a, norm_a.weight, eps_a, b, norm_b.weight, eps_b)
+        return elementwise.rms_norm_pair(a, norm_a.weight, eps_a, b, norm_b.weight, eps_b)
     return torch.cat([norm_a.forward_native(a), norm_b.forward_native(b)], dim=-1)

@@ -5,7 +5,7 @@ the full (unsharded) checkpoint tensor and copies this rank's slice into place.
 Weights are stored [out_features, in_features] like nn.Linear. Sharded layers take the
 group they shard over (default: the TP group; attention layers pass the attention-TP group).
 Every product goes through `linear`: cuBLAS, or on CUDA at decode batch sizes the Triton
-GEMV where its measured table says it is faster (layers/gemv_triton.py).
+GEMV where its measured table says it is faster (kernels/gemv.py).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from sglang.srt.distributed.parallel_state import ParallelGroup, get_tp
 from sglang.srt.layers.activation import SiluAndMul
 
 if TYPE_CHECKING:
-    from sglang.srt.layers.gemv_triton import GemvConfig
+    from sglang.srt.kernels.gemv import GemvConfig
 
 
 def _gemv_config(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> Optional[GemvConfig]:
     """The Triton GEMV's config for x @ weight^T, or None for cuBLAS (always on CPU)."""
     if not x.is_cuda:
         return None
-    from sglang.srt.layers.gemv_triton import pick_config  # triton ships with CUDA builds of torch
+    from sglang.srt.kernels.gemv import pick_config  # triton ships with CUDA builds of torch
 
     return pick_config(x.numel() // x.shape[-1], weight, gated)
 
@@ -41,7 +41,7 @@ def linear(
     """F.linear(x, weight, bias).to(out_dtype), by cuBLAS or the Triton GEMV (see _gemv_config)."""
     config = _gemv_config(x, weight, gated=False)
     if config is not None:
-        from sglang.srt.layers.gemv_triton import gemv
+        from sglang.srt.kernels.gemv import gemv
 
         return gemv(x, weight, bias, config, out_dtype=out_dtype)
     y = F.linear(x, weight, bias)
@@ -146,7 +146,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         config = _gemv_config(x, self.weight, gated=True)
         if config is None:
             return SiluAndMul()(self(x))
-        from sglang.srt.layers.gemv_triton import gemv
+        from sglang.srt.kernels.gemv import gemv
 
         return gemv(x, self.weight, self.bias, config, gated=True)
 

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.linear import linear
-from sglang.srt.layers.sampler import token_logprobs
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.sampling.sampler import token_logprobs
 
 # Modes where every token row gets logits (no per-request "last token" pruning).
 _ALL_ROWS_MODES = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE, ForwardMode.IDLE)

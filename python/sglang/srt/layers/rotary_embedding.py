@@ -1,9 +1,15 @@
-"""Rotary position embeddings (RoPE): plain, linear-scaled and Llama 3.1 scaled.
+"""Rotary position embeddings (RoPE): plain, linear-scaled, Llama 3.1 scaled, and YaRN as
+DeepSeek-V2/V3 configure it (mscale / mscale_all_dim).
 
 A module keeps one float32 cos|sin table [max_position, rotary_dim] (first half cos,
 second half sin); `get_rope` shares one module per distinct configuration and device,
 so every layer of a model reads the same table. Subclasses change the table by
 overriding `_compute_inv_freq` / `_compute_cos_sin_cache`.
+
+The YaRN table covers the scaled context (original max position x factor, as SGLang / vLLM
+size it); it is unscaled and mscale multiplies at rotation time. Its rows are
+float(position) * inv_freq exactly as an on-the-fly outer product computes them, so a lookup
+changes no value; positions must lie inside the table.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from sglang.srt.utils.heads import as_heads
 
 
 class RotaryEmbedding(nn.Module):
@@ -54,7 +62,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One kernel; rotates in float32 where forward_native rounds cos/sin and products to q's dtype."""
-        from sglang.srt.layers.fused_ops import rotary_embedding  # triton ships with CUDA builds of torch
+        from sglang.srt.kernels.elementwise import rotary_embedding  # triton ships with CUDA builds of torch
 
         cos, sin = self.cos_sin_cache.chunk(2, dim=-1)
         return rotary_embedding(positions, q, k, cos, sin, self.head_size, self.rotary_dim, self.is_neox_style)
@@ -71,7 +79,7 @@ class RotaryEmbedding(nn.Module):
     ) -> torch.Tensor:
         """forward_triton's q; its k, and v, written to k_buf[loc] and v_buf[loc] (one layer of
         a KV pool) in the same launch. CUDA only."""
-        from sglang.srt.layers.fused_ops import rotary_embedding_store_kv  # triton ships with CUDA builds of torch
+        from sglang.srt.kernels.elementwise import rotary_embedding_store_kv  # triton ships with CUDA builds of torch
 
         cos, sin = self.cos_sin_cache.chunk(2, dim=-1)
         return rotary_embedding_store_kv(
@@ -147,6 +155,116 @@ class Llama3RotaryEmbedding(RotaryEmbedding):
         )
 
 
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    """YaRN magnitude correction; the softmax scale of MLA is multiplied by its square."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _correction_dim(num_rotations: float, dim: int, base: float, max_position: int) -> float:
+    return (dim * math.log(max_position / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+
+def yarn_inv_freq(
+    rotary_dim: int,
+    base: float,
+    scaling_factor: float,
+    original_max_position: int,
+    beta_fast: float,
+    beta_slow: float,
+    extrapolation_factor: float = 1.0,
+) -> torch.Tensor:
+    """Inverse frequencies blended between extrapolation (high freq) and interpolation (low freq)."""
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (scaling_factor * pos_freqs)
+    low = max(math.floor(_correction_dim(beta_fast, rotary_dim, base, original_max_position)), 0)
+    high = min(math.ceil(_correction_dim(beta_slow, rotary_dim, base, original_max_position)), rotary_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = (1 - ramp) * extrapolation_factor
+    return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+
+
+class DeepseekScalingRotaryEmbedding(RotaryEmbedding):
+    """Rotary embedding with DeepSeek's YaRN scaling.
+
+    `max_position_embeddings` is the *original* (pre-scaling) context length, which sets the
+    YaRN correction range; the table covers that times `scaling_factor` positions. The rotation
+    of the first `rotary_dim` channels of every head is multiplied by
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) * attn_factor.
+    is_neox_style=False rotates interleaved pairs (x0, x1), (x2, x3), ... as DeepSeek does.
+    """
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        is_neox_style: bool,
+        scaling_factor: float,
+        dtype: torch.dtype | None = None,
+        *,
+        extrapolation_factor: float = 1.0,
+        attn_factor: float = 1.0,
+        beta_fast: float = 32,
+        beta_slow: float = 1,
+        mscale: float = 1.0,
+        mscale_all_dim: float = 0.0,
+    ):
+        self.scaling_factor = scaling_factor
+        self.original_max_position = max_position_embeddings
+        self.extrapolation_factor = extrapolation_factor
+        self.beta_fast, self.beta_slow = beta_fast, beta_slow
+        self.mscale = (
+            yarn_get_mscale(scaling_factor, mscale) / yarn_get_mscale(scaling_factor, mscale_all_dim) * attn_factor
+        )
+        table_len = int(max_position_embeddings * scaling_factor)
+        super().__init__(head_size, rotary_dim, table_len, base, is_neox_style, dtype)
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        return yarn_inv_freq(
+            self.rotary_dim, self.base, self.scaling_factor, self.original_max_position,
+            self.beta_fast, self.beta_slow, self.extrapolation_factor,
+        )
+
+    def forward_triton(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel: table rows by position, times mscale, rotate q and k in float32."""
+        from sglang.srt.kernels.elementwise import rotary_embedding  # triton ships with CUDA builds of torch
+
+        cos, sin = self.cos_sin_cache.chunk(2, dim=-1)
+        return rotary_embedding(
+            positions.flatten(), query, key, cos, sin, self.head_size, self.rotary_dim, self.is_neox_style, self.mscale
+        )
+
+    def forward_native(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates in float32 and rounds once (RotaryEmbedding rounds cos/sin to the input dtype)."""
+        cos, sin = (self.cos_sin_cache.index_select(0, positions.flatten()) * self.mscale)[:, None, :].chunk(2, dim=-1)
+        q = self._rotate_float32(as_heads(query, self.head_size), cos, sin)
+        k = self._rotate_float32(as_heads(key, self.head_size), cos, sin)
+        return q.view(query.shape), k.view(key.shape)
+
+    def _rotate_float32(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, head_size]; cos/sin: [T, 1, rotary_dim // 2]
+        rot = x[..., : self.rotary_dim].float()
+        if self.is_neox_style:
+            x1, x2 = rot.chunk(2, dim=-1)
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        if self.rotary_dim == self.head_size:
+            return out.to(x.dtype)
+        return torch.cat((out.to(x.dtype), x[..., self.rotary_dim :]), dim=-1)
+
+
 def get_rope_params(config: Any) -> tuple[float, Optional[dict]]:
     """(rope base, rope scaling dict or None) from an HF config, transformers 4.x or 5.x style."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -156,12 +274,6 @@ def get_rope_params(config: Any) -> tuple[float, Optional[dict]]:
 
 
 _ROPE_CACHE: dict[tuple, nn.Module] = {}
-
-
-def as_heads(x: torch.Tensor, head_size: int) -> torch.Tensor:
-    """[T, H*D] or [T, H, D] -> [T, H, D] (explicit sizes so that T may be 0)."""
-    heads = x.shape[1] if x.dim() == 3 else x.shape[-1] // head_size
-    return x.reshape(x.shape[0], heads, head_size)
 
 
 def get_rope(
@@ -203,8 +315,6 @@ def _build_rope(head_size, rotary_dim, max_position, base, rope_scaling, is_neox
             dtype,
         )
     if rope_type in ("yarn", "deepseek_yarn"):
-        from sglang.srt.layers.deepseek_rotary import DeepseekScalingRotaryEmbedding
-
         extra_keys = ("extrapolation_factor", "attn_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
         return DeepseekScalingRotaryEmbedding(
             head_size,

@@ -23,7 +23,7 @@ from sglang.srt.distributed.scheduler_comm import (
     SchedulerComm,
     init_distributed,
 )
-from sglang.srt.layers.sampler import NAN_TOKEN_ID
+from sglang.srt.sampling.sampler import NAN_TOKEN_ID
 from sglang.srt.managers.dp_load import LoadReporter
 from sglang.srt.managers.dp_prefill_align import PrefillHold, prefill_allowed
 from sglang.srt.managers.accept_check import run_accept_check

@@ -15,7 +15,7 @@ import torch
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-from sglang.srt.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo
+from sglang.srt.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from sglang.srt.managers.schedule_batch import FutureTokens, Req, ScheduleBatch
 from sglang.srt.mem_cache.req_kv import ReqKVManager
 from sglang.srt.model_executor.forward_batch_info import ForwardMode

@@ -169,7 +169,7 @@ class MHATokenToKVPool(KVPool):
         """k_buffer[layer_id][loc] = k, v_buffer[layer_id][loc] = v (k [T, H, D], v [T, H, Dv], any strides)."""
         k_buf, v_buf = self.k_buffer[layer_id], self.v_buffer[layer_id]
         if k_buf.is_cuda:
-            from sglang.srt.layers.step_ops import store_kv  # triton ships with CUDA builds of torch
+            from sglang.srt.kernels.step_ops import store_kv  # triton ships with CUDA builds of torch
 
             store_kv(k_buf, v_buf, loc, k, v)  # one launch instead of two index_puts
         else:

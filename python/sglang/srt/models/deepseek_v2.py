@@ -25,7 +25,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from sglang.srt.distributed.parallel_state import get_attn_tp, tensor_model_parallel_all_reduce
-from sglang.srt.layers.deepseek_rotary import mla_rope_pack, yarn_get_mscale
+from sglang.srt.kernels.moe.routing_config import RoutingConfig
+from sglang.srt.layers.deepseek_rotary import mla_rope_pack
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
@@ -37,9 +38,8 @@ from sglang.srt.layers.linear import (
 )
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.moe.fused_moe import FusedMoE
-from sglang.srt.layers.moe.topk import RoutingConfig
 from sglang.srt.layers.radix_attention import RadixAttention, rope_stores_kv
-from sglang.srt.layers.rotary_embedding import get_rope, get_rope_params
+from sglang.srt.layers.rotary_embedding import get_rope, get_rope_params, yarn_get_mscale
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.models.decoder_layer import PreNormDecoderLayer
@@ -118,7 +118,7 @@ class MoEGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from sglang.srt.layers.moe.topk_triton import router_logits  # triton ships with CUDA builds of torch
+            from sglang.srt.kernels.moe.routing import router_logits  # triton ships with CUDA builds of torch
 
             return router_logits(x, self.weight)
         return torch.nn.functional.linear(x.float(), self.weight)
@@ -140,11 +140,11 @@ class DeepseekV2MoE(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(norm(x + residual)), x + residual); on CUDA the add, the norm and the
-        router's logits share one launch (topk_triton.add_rms_norm_router_logits)."""
+        router's logits share one launch (routing.add_rms_norm_router_logits)."""
         if not x.is_cuda:
             normed, s = norm(x, residual)
             return self(normed), s
-        from sglang.srt.layers.moe.topk_triton import add_rms_norm_router_logits  # triton ships with CUDA builds of torch
+        from sglang.srt.kernels.moe.routing import add_rms_norm_router_logits  # triton ships with CUDA builds of torch
 
         normed, s, logits = add_rms_norm_router_logits(x, residual, norm.weight, norm.variance_epsilon, self.gate.weight)
         return self._experts(normed, logits), s
@@ -158,7 +158,7 @@ def head_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """out[t, h] = a[t, h] @ b[h] for a [T, H, K], b [H, K, N] and out [T, H, N] (views of
     any strides); out is written in place, so it may be a channel slice of a wider tensor."""
     if a.is_cuda:  # triton ships with CUDA builds of torch
-        from sglang.srt.layers.mla_triton import HEAD_MATMUL_MAX_TOKENS, head_matmul_triton
+        from sglang.srt.kernels.mla import HEAD_MATMUL_MAX_TOKENS, head_matmul_triton
 
         if a.shape[0] <= HEAD_MATMUL_MAX_TOKENS:
             return head_matmul_triton(a, b, out)

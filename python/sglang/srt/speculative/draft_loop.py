@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from sglang.srt.layers.sampler import greedy_tokens
+from sglang.srt.sampling.sampler import greedy_tokens
 from sglang.srt.model_executor.cuda_graph_runner import PAD_KV_SLOT, ForwardFn
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.speculative.eagle_utils import build_draft_tree, chain_tree, select_step_inputs

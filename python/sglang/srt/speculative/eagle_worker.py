@@ -39,7 +39,7 @@ import torch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import get_attn_tp_group, get_attn_tp_size
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
-from sglang.srt.layers.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo, greedy_tokens, token_logprobs
+from sglang.srt.sampling.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo, greedy_tokens, token_logprobs
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.tp_worker import GenerationResult, InputLogprobs, LaunchedStep, TpModelWorker
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode

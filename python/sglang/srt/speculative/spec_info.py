@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.layers.sampler import greedy_tokens
+from sglang.srt.sampling.sampler import greedy_tokens
 
 
 def top_guesses(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:

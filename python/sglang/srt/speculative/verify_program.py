@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang.srt.layers.sampler import greedy_tokens
+from sglang.srt.sampling.sampler import greedy_tokens
 from sglang.srt.model_executor.cuda_graph_runner import ForwardFn
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.speculative.eagle_utils import (

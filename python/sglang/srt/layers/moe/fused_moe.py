@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.distributed.parallel_state import get_tp_rank, get_tp_size
-from sglang.srt.layers.moe.topk import RoutingConfig, select_experts
+from sglang.srt.kernels.moe.routing_config import RoutingConfig
+from sglang.srt.layers.moe.topk import select_experts
 
 
 def moe_forward_native(
@@ -107,10 +108,10 @@ class FusedMoE(nn.Module):
 
     def warm_up_kernels(self, max_tokens: int) -> int:
         """CUDA: compile the expert kernels' variants for batches of up to max_tokens tokens now
-        (fused_moe_triton.warm_up_variants); returns the batches run (0 off CUDA)."""
+        (grouped_gemm.warm_up_variants); returns the batches run (0 off CUDA)."""
         if not self.w13_weight.is_cuda:
             return 0
-        from sglang.srt.layers.moe.fused_moe_triton import warm_up_variants
+        from sglang.srt.kernels.moe.grouped_gemm import warm_up_variants
 
         return warm_up_variants(self.w13_weight, self.w2_weight, self.routing.slots, max_tokens)
 
@@ -122,8 +123,8 @@ class FusedMoE(nn.Module):
             topk_weights, topk_ids = select_experts(router_logits, self.routing, correction_bias)
             return moe_forward_native(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         # triton ships with CUDA builds of torch; its kernels never sync with the host
-        from sglang.srt.layers.moe.fused_moe_triton import fused_moe
-        from sglang.srt.layers.moe.topk_triton import select_experts_triton
+        from sglang.srt.kernels.moe.grouped_gemm import fused_moe
+        from sglang.srt.kernels.moe.routing import select_experts_triton
 
         topk_weights, topk_ids = select_experts_triton(router_logits, self.routing, correction_bias)
         return fused_moe(

@@ -12,15 +12,14 @@ plain path does, while RotaryEmbedding's rounds cos/sin and each product: a few 
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.rotary_embedding import as_heads
+from sglang.srt.kernels.launch import signals_dependents
+from sglang.srt.utils.heads import as_heads
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
 
@@ -41,37 +40,8 @@ def rms_norm_warps(block: int) -> int:
 # ---------------------------------------------------------------------- RMSNorm
 
 
-@functools.cache
-def signals_dependents(device: torch.device) -> bool:
-    """Whether kernels on `device` take programmatic dependent launch (CUDA sm90+, compiled,
-    not turned off by SGLANG_DISABLE_PDL=1): they let the next kernel launch early, and a
-    PDL-launched kernel waits for the previous one's writes before reading them."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    disabled = os.environ.get("SGLANG_DISABLE_PDL") == "1"
-    return device.type == "cuda" and not interpreted and not disabled and torch.version.cuda is not None and (
-        torch.cuda.get_device_capability(device)[0] >= 9
-    )
-
-
-def pdl_launch(pdl: bool) -> dict:
-    """A Triton launch's keyword arguments: launch_pdl where the kernel is PDL-launched."""
-    return {"launch_pdl": True} if pdl else {}
-
-
-def cache_line_elems(t: torch.Tensor) -> int:
-    """Elements of t's dtype in one 128-byte cache line (the unit of prefetch_l2)."""
-    return 128 // t.element_size()
-
-
 @triton.jit
-def prefetch_l2(ptrs):
-    # One L2 prefetch per pointer; nothing waits for it, and it binds no value (a later load
-    # still reads what other kernels wrote meanwhile).
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _weighted_rms_norm(s, w_ptr, cols, mask, n, eps):
+def weighted_rms_norm(s, w_ptr, cols, mask, n, eps):
     """weight * rmsnorm(s) in float32 for one row s (zero past n); like RMSNorm, the norm is
     rounded to s's dtype before the weight."""
     h = s.to(tl.float32)
@@ -81,7 +51,7 @@ def _weighted_rms_norm(s, w_ptr, cols, mask, n, eps):
 
 
 @triton.jit
-def _residual_sum(x_row, res_row, cols, mask, dtype: tl.constexpr):
+def residual_sum(x_row, res_row, cols, mask, dtype: tl.constexpr):
     """s = x + residual for one row, rounded to `dtype` (the sum's) as torch's add rounds."""
     x = tl.load(x_row + cols, mask=mask, other=0.0)
     r = tl.load(res_row + cols, mask=mask, other=0.0)
@@ -102,11 +72,11 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     if HAS_RESIDUAL:
-        s = _residual_sum(x_ptr + row * x_stride, res_ptr + row * res_stride, cols, mask, res_out_ptr.dtype.element_ty)
+        s = residual_sum(x_ptr + row * x_stride, res_ptr + row * res_stride, cols, mask, res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * n + cols, s, mask=mask)
     else:
         s = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-    y = _weighted_rms_norm(s, w_ptr, cols, mask, n, eps)
+    y = weighted_rms_norm(s, w_ptr, cols, mask, n, eps)
     tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -127,7 +97,7 @@ def _rms_norm_pair_kernel(
         x_row, w_ptr, n, eps = b_ptr + row * b_stride, wb_ptr, nb, eps_b
     cols = tl.arange(0, BLOCK)
     mask = cols < n
-    y = _weighted_rms_norm(tl.load(x_row + cols, mask=mask, other=0.0), w_ptr, cols, mask, n, eps)
+    y = weighted_rms_norm(tl.load(x_row + cols, mask=mask, other=0.0), w_ptr, cols, mask, n, eps)
     tl.store(out_ptr + row * (na + nb) + second * na + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -219,7 +189,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_head(
+def rotate_head(
     src, dst, cos, sin,
     HEAD: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
@@ -265,12 +235,12 @@ def _rotary_kernel(
     sin = tl.load(sin_ptr + row * cs_stride + half, mask=mask, other=0.0).to(tl.float32) * scale
     if h < num_q_heads:
         src = q_ptr + t * q_stride_t + h * q_stride_h
-        _rotate_head(src, q_out + (t * num_q_heads + h) * HEAD, cos, sin, HEAD, ROT, NEOX, BLOCK_HALF, BLOCK_REST)
+        rotate_head(src, q_out + (t * num_q_heads + h) * HEAD, cos, sin, HEAD, ROT, NEOX, BLOCK_HALF, BLOCK_REST)
     elif h < num_q_heads + num_k_heads:
         h = h - num_q_heads
         k_row = tl.load(loc_ptr + t).to(tl.int64) if STORE_KV else t
         src = k_ptr + t * k_stride_t + h * k_stride_h
-        _rotate_head(src, k_out + (k_row * num_k_heads + h) * HEAD, cos, sin, HEAD, ROT, NEOX, BLOCK_HALF, BLOCK_REST)
+        rotate_head(src, k_out + (k_row * num_k_heads + h) * HEAD, cos, sin, HEAD, ROT, NEOX, BLOCK_HALF, BLOCK_REST)
     elif STORE_KV:  # (a constexpr: the v programs exist only when storing)
         h = h - num_q_heads - num_k_heads
         slot = tl.load(loc_ptr + t).to(tl.int64)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.attention.triton_ops.common import HeadDimTiling
+from sglang.srt.kernels.attention.common import HeadDimTiling
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 from sglang.srt.utils.triton_precision import dot_precision
 

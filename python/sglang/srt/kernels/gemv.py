@@ -29,8 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.fused_ops import cache_line_elems, pdl_launch, prefetch_l2, signals_dependents, silu_mul
-from sglang.srt.layers.tuned import load_table
+from sglang.srt.kernels.elementwise import silu_mul
+from sglang.srt.kernels.launch import cache_line_elems, pdl_launch, prefetch_l2, signals_dependents
+from sglang.srt.kernels.tuned import load_table
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 from sglang.srt.utils.triton_precision import dot_precision
 
@@ -44,7 +45,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 1  # loop steps in flight per program; > 1 software-pipelines W through shared memory
     use_dot: bool = False  # tensor cores (x padded to >= 16 rows) rather than FMAs
-    # Programmatic dependent launch (where fused_ops.signals_dependents): the kernel starts
+    # Programmatic dependent launch (where launch.signals_dependents): the kernel starts
     # before the previous one ends and streams its first two steps of W into L2 meanwhile.
     pdl: bool = False
 
@@ -220,7 +221,7 @@ def gemv(
 
 # ---------------------------------------------------------------------- where it beats cuBLAS
 
-# Per GPU, measured by benchmark/kernels/bench_gemv.py --write-table (layers/tuned/gemv-<GPU>.json):
+# Per GPU, measured by benchmark/kernels/bench_gemv.py --write-table (kernels/tuned/gemv-<GPU>.json):
 # (N, K, gated) of a bf16/fp16 weight -> ((most rows of x, config or None for cuBLAS), ...) by
 # ascending rows. A GPU without a table, a shape not listed, more rows than the last entry, and
 # every other dtype take cuBLAS.

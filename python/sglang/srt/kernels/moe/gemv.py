@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.fused_ops import cache_line_elems, pdl_launch, prefetch_l2, signals_dependents
-from sglang.srt.layers.moe.kernel_config import GemmTile
+from sglang.srt.kernels.launch import cache_line_elems, pdl_launch, prefetch_l2, signals_dependents
+from sglang.srt.kernels.moe.tiles import GemmTile
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
 

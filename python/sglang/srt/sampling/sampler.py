@@ -195,7 +195,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     only reported as NAN_TOKEN_ID under detect_nan, which zeroes it first)."""
     if not logits.is_cuda:
         return torch.argmax(logits, dim=-1)
-    from sglang.srt.layers.step_ops import argmax  # triton ships with CUDA builds of torch
+    from sglang.srt.kernels.step_ops import argmax  # triton ships with CUDA builds of torch
 
     return argmax(logits)  # one or two short launches where torch's single-block reduction takes 27 us
 

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.attention.triton_ops.common import HeadDimTiling
-from sglang.srt.layers.fused_ops import cache_line_elems, pdl_launch, prefetch_l2, signals_dependents
+from sglang.srt.kernels.attention.common import HeadDimTiling
+from sglang.srt.kernels.launch import cache_line_elems, pdl_launch, prefetch_l2, signals_dependents
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 from sglang.srt.utils.triton_precision import dot_precision
 

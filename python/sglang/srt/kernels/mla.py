@@ -7,7 +7,7 @@ rotates q head h of token t into q_out[t, h, L:]; program (t, H) writes k[t] = l
 rope(k_pe[t]), into a new tensor or straight into the KV pool's rows, and can RMS-norm the
 latent first (kv_a_layernorm). One launch where the norm, the RoPE kernel, two
 concatenations and the pool's store took five. cos/sin are the rotary
-module's table row of the position times `scale`, and the rotation is fused_ops' own, so
+module's table row of the position times `scale`, and the rotation is elementwise.py's own, so
 every value equals the rope module's forward_triton.
 
 `head_matmul_triton`: out[t, h] = a[t, h] @ b[h] for up to HEAD_MATMUL_MAX_TOKENS tokens,
@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.fused_ops import _rotate_head, _weighted_rms_norm, pdl_launch, signals_dependents
+from sglang.srt.kernels.elementwise import rotate_head, weighted_rms_norm
+from sglang.srt.kernels.launch import pdl_launch, signals_dependents
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 from sglang.srt.utils.triton_precision import dot_precision
 
@@ -58,15 +59,15 @@ def _mla_rope_pack_kernel(
         tl.extra.cuda.gdc_wait()
     if h < num_heads:
         dst = q_out + t * q_out_stride_t + h * q_out_stride_h + LATENT
-        _rotate_head(q_pe_ptr + t * q_pe_stride_t + h * q_pe_stride_h, dst, cos, sin, ROT, ROT, NEOX, BLOCK_HALF, 1)
+        rotate_head(q_pe_ptr + t * q_pe_stride_t + h * q_pe_stride_h, dst, cos, sin, ROT, ROT, NEOX, BLOCK_HALF, 1)
     else:
         k_row = k_out + (tl.load(k_loc_ptr + t).to(tl.int64) if AT_LOC else t) * (LATENT + ROT)
-        _rotate_head(k_pe_ptr + t * k_pe_stride_t, k_row + LATENT, cos, sin, ROT, ROT, NEOX, BLOCK_HALF, 1)
+        rotate_head(k_pe_ptr + t * k_pe_stride_t, k_row + LATENT, cos, sin, ROT, ROT, NEOX, BLOCK_HALF, 1)
         cols = tl.arange(0, BLOCK_LATENT)
         valid = cols < LATENT
         latent = tl.load(latent_ptr + t * latent_stride_t + cols, mask=valid, other=0.0)
         if NORM_LATENT:
-            latent = _weighted_rms_norm(latent, norm_w_ptr, cols, valid, LATENT, norm_eps)
+            latent = weighted_rms_norm(latent, norm_w_ptr, cols, valid, LATENT, norm_eps)
         tl.store(k_row + cols, latent.to(k_out.dtype.element_ty), mask=valid)
 
 

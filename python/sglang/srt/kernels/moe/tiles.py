@@ -1,7 +1,7 @@
 """Tile configurations of the fused-MoE kernels, chosen by the number of (token, slot) pairs.
 
 `python benchmark/kernels/bench_moe.py --write-table` times candidate configs on
-DeepSeek-V2-Lite's MoE layer and stores the best as layers/tuned/moe-<GPU>.json, which
+DeepSeek-V2-Lite's MoE layer and stores the best as kernels/tuned/moe-<GPU>.json, which
 replaces TILE_TABLE's rows on that GPU up to its largest measured pair count.
 """
 
@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.layers.tuned import load_table
+from sglang.srt.kernels.tuned import load_table
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Triton fused MoE: the same SiLU-gated experts as `moe_forward_native`, without host syncs.
 
-The tile configuration comes from the number of (token, slot) pairs (kernel_config.py).
-Decode-sized batches take the GEMV kernels of fused_moe_gemv.py. Otherwise the pairs are
+The tile configuration comes from the number of (token, slot) pairs (tiles.py).
+Decode-sized batches take the GEMV kernels of gemv.py. Otherwise the pairs are
 sorted by expert on device and each expert's run is padded to a multiple of BLOCK_M, so
 every block of BLOCK_M sorted rows belongs to a single expert. Two grouped GEMMs then run
 over those blocks: w13 with SiLU(gate) * up fused into its epilogue, and w2 with the routing
@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.moe.fused_moe_gemv import moe_gemv
-from sglang.srt.layers.moe.kernel_config import GemmTile, MoeKernelConfig, kernel_config
+from sglang.srt.kernels.moe.gemv import moe_gemv
+from sglang.srt.kernels.moe.tiles import GemmTile, MoeKernelConfig, kernel_config
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 from sglang.srt.utils.triton_precision import dot_precision
 

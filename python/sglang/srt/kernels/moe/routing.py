@@ -22,15 +22,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.fused_ops import (
-    _residual_sum,
-    _weighted_rms_norm,
-    fused_add_rms_norm,
-    pdl_launch,
-    rms_norm_warps,
-    signals_dependents,
-)
-from sglang.srt.layers.moe.topk import RoutingConfig
+from sglang.srt.kernels.elementwise import fused_add_rms_norm, residual_sum, rms_norm_warps, weighted_rms_norm
+from sglang.srt.kernels.launch import pdl_launch, signals_dependents
+from sglang.srt.kernels.moe.routing_config import RoutingConfig
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
 _METHOD_CODES = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
@@ -112,7 +106,7 @@ def _add_rms_norm_router_kernel(
     BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (t, e): token t's s = x + residual and normed = norm_w * rmsnorm(s), computed as
-    # fused_ops' add-RMSNorm kernel computes them (same helpers, same block and warps), then
+    # elementwise.py's add-RMSNorm kernel computes them (same helpers, same block and warps), then
     # expert e's float32 logit of normed. Program (t, 0) also stores s and normed. PDL:
     # launched before the previous kernel ends, it loads its router row, then waits for that
     # kernel's writes.
@@ -123,8 +117,8 @@ def _add_rms_norm_router_kernel(
     w = tl.load(router_w_ptr + e * router_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    s = _residual_sum(x_ptr + t * x_stride, res_ptr + t * res_stride, cols, mask, res_out_ptr.dtype.element_ty)
-    normed = _weighted_rms_norm(s, norm_w_ptr, cols, mask, hidden, eps).to(normed_ptr.dtype.element_ty)
+    s = residual_sum(x_ptr + t * x_stride, res_ptr + t * res_stride, cols, mask, res_out_ptr.dtype.element_ty)
+    normed = weighted_rms_norm(s, norm_w_ptr, cols, mask, hidden, eps).to(normed_ptr.dtype.element_ty)
     tl.store(logits_ptr + t * num_experts + e, tl.sum(normed.to(tl.float32) * w, axis=0))
     if e == 0:
         tl.store(res_out_ptr + t * hidden + cols, s, mask=mask)
@@ -134,7 +128,7 @@ def _add_rms_norm_router_kernel(
 def add_rms_norm_router_logits(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, router_weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(normed, s, logits) for s = x + residual [T, hidden], normed = fused_ops.fused_add_rms_norm's
+    """(normed, s, logits) for s = x + residual [T, hidden], normed = elementwise.fused_add_rms_norm's
     output and logits = router_logits(normed, router_weight): one launch where those take two
     (router_fuses_add_norm's batches; others take them in turn)."""
     num_tokens, hidden = x.shape
