@@ -138,7 +138,16 @@ CHAT = body(
 def profile_body(profile_dir: str) -> st.SearchStrategy:
     # output_dir: only strings under the test's directory (the server creates the directory).
     dirs = st.sampled_from([os.path.join(profile_dir, "a"), os.path.join(profile_dir, "b\x00c"), ""])
-    return body({}, {"output_dir": dirs, "num_steps": st.integers(-1, 3) | EDGE_INTS, "activities": st.lists(st.sampled_from(["CPU", "GPU", "cpu", "TPU"]), max_size=2)})
+    fields = {"output_dir": dirs, "num_steps": st.integers(-1, 3) | EDGE_INTS, "activities": st.lists(st.sampled_from(["CPU", "GPU", "cpu", "TPU"]), max_size=2)}
+    return body({}, fields).map(lambda b: {**b, "output_dir": _under(profile_dir, b["output_dir"])} if isinstance(b.get("output_dir"), str) else b)
+
+
+def _under(profile_dir: str, path: str) -> str:
+    """A junk output_dir string kept inside the test's directory (else the server would create
+    it relative to its working directory); "" (the default directory) stays."""
+    if not path or path.startswith(profile_dir + os.sep):
+        return path
+    return os.path.join(profile_dir, "junk", path.replace("..", "__").lstrip(os.sep))
 
 
 GET_PATHS = ["/health", "/health_generate", "/get_model_info", "/get_server_info", "/v1/models", "/metrics", "/flush_cache"]
