@@ -62,7 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import dummy_model_dir  # noqa: E402
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
-from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, CudaGraphRunner  # noqa: E402
+from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, CudaGraphRunner, ModeKey  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
@@ -160,9 +160,9 @@ def standin_capture(graphs: CudaGraphRunner) -> None:
     """CudaGraphRunner.capture on CPU, with NullGraph graphs and zero outputs: one eager
     warm-up run per mode (its largest key) shapes that mode's output buffers."""
     runner = graphs.model_runner
-    for mode_name in {key.mode for key in graphs.keys}:
-        largest = max((k for k in graphs.keys if k.mode == mode_name), key=lambda k: k.num_tokens)
-        mode = graphs.modes[mode_name]
+    for mode_key in {key.mode_key for key in graphs.keys}:
+        largest = max((k for k in graphs.keys if k.mode_key == mode_key), key=lambda k: k.num_tokens)
+        mode = graphs.modes[mode_key]
         batch = graphs.inputs.padding_batch(largest, mode)
         if mode.program is not None:
             warm = mode.program(batch, runner.forward_eager)
@@ -170,16 +170,16 @@ def standin_capture(graphs: CudaGraphRunner) -> None:
             out = runner.forward_eager(batch)
             warm = tuple(t for t in (out.next_token_logits, out.hidden_states) if t is not None)
         graphs.ensure_outputs(largest, warm)
-        for buffer, _ in graphs.outputs[mode_name]:
+        for buffer, _ in graphs.outputs[mode_key]:
             buffer.zero_()
     graphs.graphs = {key: NullGraph() for key in graphs.keys}
 
 
-def standin_graph_modes(runner: ModelRunner) -> dict[ForwardMode, CapturedMode]:
+def standin_graph_modes(runner: ModelRunner) -> dict[ModeKey, CapturedMode]:
     """ModelRunner._graph_modes as on CUDA, whatever the device."""
     if runner.spec_sizes is not None:
         return runner.speculative_graph_modes()
-    return {ForwardMode.DECODE: CapturedMode(1)}
+    return {ModeKey(ForwardMode.DECODE): CapturedMode(1)}
 
 
 def new_scheduler(server_args: ServerArgs, graph_standin: bool) -> Scheduler:

@@ -21,6 +21,7 @@ from sglang.srt.model_executor.cuda_graph_runner import (
     CudaGraphCaptureError,
     CudaGraphRunner,
     GraphKey,
+    ModeKey,
     StaticInputs,
     capture_batch_sizes,
     default_capture_sizes,
@@ -72,18 +73,18 @@ def test_padded_batch_size():
 def test_dp_key_comes_from_the_plan_alone():
     """Under DP attention every rank replays the graph of the largest DP rank's batch."""
     table = ReqToTokenPool(16, 64, "cpu")
-    graphs = CudaGraphRunner(_runner_stub(table), {DECODE: PLAIN}, [1, 2, 4, 8], disable_padding=False, dp_size=2)
+    graphs = CudaGraphRunner(_runner_stub(table), {ModeKey(DECODE): PLAIN}, [1, 2, 4, 8], disable_padding=False, dp_size=2)
     assert graphs.dp_key(DECODE, [3, 1]) == GraphKey(DECODE, 4, 1)
     assert graphs.dp_key(DECODE, [0, 5]) == GraphKey(DECODE, 8, 1)
     assert graphs.dp_key(DECODE, [9, 1]) is None  # larger than every graph: all ranks eager
     assert graphs.dp_key(ForwardMode.EXTEND, [3, 1]) is None  # a rank extends: all eager
-    exact = CudaGraphRunner(_runner_stub(table), {DECODE: PLAIN}, [1, 2, 4, 8], disable_padding=True, dp_size=2)
+    exact = CudaGraphRunner(_runner_stub(table), {ModeKey(DECODE): PLAIN}, [1, 2, 4, 8], disable_padding=True, dp_size=2)
     assert exact.dp_key(DECODE, [3, 1]) is None and exact.dp_key(DECODE, [4, 1]) == GraphKey(DECODE, 4, 1)
 
 
 def test_dp_key_for_decode_and_idle_ranks():
     table = ReqToTokenPool(16, 64, "cpu")
-    graphs = CudaGraphRunner(_runner_stub(table), {DECODE: PLAIN}, [1, 2, 4], disable_padding=False, dp_size=2)
+    graphs = CudaGraphRunner(_runner_stub(table), {ModeKey(DECODE): PLAIN}, [1, 2, 4], disable_padding=False, dp_size=2)
     busy = _decode_fb([0, 1, 2], [5] * 3, [1] * 3, [1, 2, 3])
     idle = _decode_fb([], [], [], [])
     idle.mode = ForwardMode.IDLE
@@ -170,12 +171,12 @@ def _lengths_agree(fb: ForwardBatch) -> bool:
 def test_padding_batch_resets_the_lengths_of_other_keys():
     """Capture order mixes token counts (verify and draft extend: 4 per request; draft steps:
     1, with trees of 1 and 2 columns): each captured batch has its own key's lengths."""
-    modes = {ForwardMode.TARGET_VERIFY: CapturedMode(4, (4,)), ForwardMode.DRAFT_DECODE: CapturedMode(1, (1, 2))}
+    modes = {ModeKey(ForwardMode.TARGET_VERIFY): CapturedMode(4, (4,)), ModeKey(ForwardMode.DRAFT_DECODE): CapturedMode(1, (1, 2))}
     inputs = StaticInputs(max_bs=4, max_tokens_per_req=4, device="cpu", max_tree_cols=4)
     keys = [GraphKey(ForwardMode.TARGET_VERIFY, 4, 4, 4), GraphKey(ForwardMode.DRAFT_DECODE, 4, 1, 2),
             GraphKey(ForwardMode.DRAFT_DECODE, 2, 1, 1), GraphKey(ForwardMode.TARGET_VERIFY, 2, 4, 4)]
     for key in keys:
-        fb = inputs.padding_batch(key, modes[key.mode])
+        fb = inputs.padding_batch(key, modes[key.mode_key])
         assert _lengths_agree(fb), key
         assert fb.seq_lens_cpu == [key.pad_seq_len] * key.batch_size
         assert fb.custom_mask.shape == (key.num_tokens, key.tree_cols) and bool(fb.custom_mask.all())
@@ -193,7 +194,7 @@ def _choice(graphs: CudaGraphRunner, fb: ForwardBatch, table: ReqToTokenPool):
 
 def test_key_for_picks_padded_decode_graph_or_eager():
     table = ReqToTokenPool(16, 64, "cpu")
-    graphs = CudaGraphRunner(_runner_stub(table), {DECODE: PLAIN}, [1, 2, 4], disable_padding=False)
+    graphs = CudaGraphRunner(_runner_stub(table), {ModeKey(DECODE): PLAIN}, [1, 2, 4], disable_padding=False)
     fb = lambda n: _decode_fb(list(range(n)), [5] * n, [1] * n, list(range(1, n + 1)))
     assert _choice(graphs, fb(1), table) == GraphKey(DECODE, 1, 1)
     assert _choice(graphs, fb(3), table) == GraphKey(DECODE, 4, 1)
@@ -212,7 +213,7 @@ def test_key_for_picks_padded_decode_graph_or_eager():
     assert _choice(graphs, dp, table) is None  # a runner built without DP attention
     # A table replaced after capture (graphs hold the old address): eager.
     assert _choice(graphs, fb(2), ReqToTokenPool(16, 128, "cpu")) is None
-    exact = CudaGraphRunner(_runner_stub(table), {DECODE: PLAIN}, [1, 2, 4], disable_padding=True)
+    exact = CudaGraphRunner(_runner_stub(table), {ModeKey(DECODE): PLAIN}, [1, 2, 4], disable_padding=True)
     assert _choice(exact, fb(3), table) is None
     assert _choice(exact, fb(4), table) == GraphKey(DECODE, 4, 1)
 
@@ -341,7 +342,7 @@ def test_captured_work_matches_eager_triton(tiny_llama_dir):
         import test_triton_kernels  # noqa: F401  (patches the interpreter for NumPy >= 2.4)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     runner = make_runner(tiny_llama_dir, device, "float32", attention_backend="triton", disable_cuda_graph=True)
-    graphs = CudaGraphRunner(runner, {DECODE: PLAIN}, [1, 2, 4], disable_padding=False)
+    graphs = CudaGraphRunner(runner, {ModeKey(DECODE): PLAIN}, [1, 2, 4], disable_padding=False)
     width = runner.req_to_token_pool.req_to_token.shape[1]
     runner.attn_backend.init_cuda_graph_state(4, 4 * width, torch.device(device))
     driver = HandDriver(runner, PROMPTS)
@@ -367,7 +368,7 @@ def _dp_captured_work_worker(rank: int, world: int, path: str) -> None:
         attention_backend="triton", disable_cuda_graph=True, tp_size=2, dp_size=2, enable_dp_attention=True,
     )
     runner = ModelRunner(ModelConfig(path, dtype="float32", device="cpu"), args, gpu_id=0, tp_rank=rank, tp_size=2)
-    graphs = CudaGraphRunner(runner, {DECODE: PLAIN}, [1, 2, 4], disable_padding=False, dp_size=2)
+    graphs = CudaGraphRunner(runner, {ModeKey(DECODE): PLAIN}, [1, 2, 4], disable_padding=False, dp_size=2)
     width = runner.req_to_token_pool.req_to_token.shape[1]
     runner.attn_backend.init_cuda_graph_state(4, 4 * width, torch.device("cpu"))
     prompts = PROMPTS if rank == 0 else PROMPTS[:1]
@@ -463,7 +464,7 @@ class _WorkAsGraph:
 
     def replay(self) -> None:
         assert _weight_addresses(self.graphs.model_runner) == self.weights, "a weight moved after capture"
-        mode = self.graphs.modes[self.key.mode]
+        mode = self.graphs.modes[self.key.mode_key]
         batch = self.graphs.inputs.batch(self.key, mode)
         if not mode.slots_only:  # else the work reads no lengths from the batch
             assert batch.extend_seq_lens.tolist() == [self.key.tokens_per_req] * self.key.batch_size, self.key
@@ -477,9 +478,9 @@ def _emulated_capture(graphs: CudaGraphRunner) -> None:
     runner = graphs.model_runner
     width = runner.req_to_token_pool.req_to_token.shape[1]
     runner.attn_backend.init_cuda_graph_state(graphs.max_bs, graphs.max_bs * width, torch.device("cpu"))
-    for key in sorted(graphs.keys, key=lambda k: (k.num_tokens, k.tree_cols, k.batch_size), reverse=True):
-        batch = graphs.inputs.padding_batch(key, graphs.modes[key.mode])
-        assert graphs.modes[key.mode].slots_only or _lengths_agree(batch), key
+    for key in graphs.capture_order():
+        batch = graphs.inputs.padding_batch(key, graphs.modes[key.mode_key])
+        assert graphs.modes[key.mode_key].slots_only or _lengths_agree(batch), key
         graphs.ensure_outputs(key, graphs._run(batch, key))
         graphs.graphs[key] = _WorkAsGraph(graphs, key)
 

@@ -128,9 +128,9 @@ def _drive(scheduler: Scheduler, run: list[tuple], record: list[dict]) -> None:
     launch = worker.launch
     batches: list[tuple[ForwardMode, int]] = []
 
-    def recorded(batch, plan=None):
+    def recorded(batch, *plan_and_tier):
         batches.append((batch.mode, len(batch.reqs)))
-        return launch(batch, plan)
+        return launch(batch, *plan_and_tier)
 
     last_arrival = max(r[0] for r in run)
     with mock.patch.object(worker, "launch", recorded):

@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
 # (steps, topk, num_draft_tokens) when none of the three is given.
 AUTO_SPECULATIVE_PARAMS = (3, 1, 4)
+# --speculative-adaptive's tiers (draft steps) when --speculative-adaptive-steps is not given.
+DEFAULT_ADAPTIVE_STEPS = "1,3,5"
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "gguf")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")
@@ -98,6 +100,9 @@ class ServerArgs:
     speculative_eagle_topk: Optional[int] = field(default=None, metadata=_arg("Branching factor of the draft tree per step."))
     speculative_num_draft_tokens: Optional[int] = field(default=None, metadata=_arg("Tokens verified per request per cycle."))
     speculative_accept_check: bool = field(default=False, metadata=_arg("At startup, run a fixed prompt set speculatively (with and without CUDA graphs) on every DP rank; fail unless the outputs equal the non-speculative ones and no rank's accept length falls behind the others."))
+    speculative_adaptive: bool = field(default=False, metadata=_arg("Switch the draft steps per cycle between the tiers of --speculative-adaptive-steps by the recent accept length and batch size; every DP rank takes the same decision (topk 1 chains only)."))
+    speculative_adaptive_steps: Optional[str] = field(default=None, metadata=_arg("--speculative-adaptive: the tiers' draft steps, comma-separated (each tier verifies steps + 1 tokens); --speculative-num-steps is the starting tier and must be one of them (default: the largest)."))
+    speculative_adaptive_schedule: Optional[str] = field(default=None, metadata=_arg("Testing: replace the adaptive decision by a fixed schedule of steps:cycles pairs, repeated (e.g. 3:4,1:2,5:3: four decode cycles at 3 steps, two at 1, three at 5, again)."))
 
     # Observability
     log_level: str = field(default="info", metadata=_arg("Logging level.", choices=("debug", "info", "warning", "error")))
@@ -149,11 +154,16 @@ class ServerArgs:
 
     def _resolve_speculative_defaults(self) -> None:
         """SGLang's rules: NEXTN drafts from the target checkpoint; all three sizes unset means
-        the automatic choice; topk defaults to 1; topk 1 forces num_draft_tokens = steps + 1."""
+        the automatic choice (--speculative-adaptive: a chain of its largest tier); topk defaults
+        to 1; topk 1 forces num_draft_tokens = steps + 1."""
         if self.speculative_algorithm == "NEXTN" and self.speculative_draft_model_path is None:
             self.speculative_draft_model_path = self.model_path
+        if self.speculative_adaptive and self.speculative_adaptive_steps is None:
+            self.speculative_adaptive_steps = DEFAULT_ADAPTIVE_STEPS
         sizes = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
-        if sizes == (None, None, None):
+        if sizes == (None, None, None) and self.speculative_adaptive:
+            self.speculative_num_steps = max(_parse_steps_list(self.speculative_adaptive_steps, "--speculative-adaptive-steps"))
+        elif sizes == (None, None, None):
             self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = AUTO_SPECULATIVE_PARAMS
             return
         if self.speculative_eagle_topk is None:
@@ -233,8 +243,15 @@ class ServerArgs:
         if self.speculative_algorithm is None:
             given = [k for k, v in spec_flags.items() if v is not None]
             given += ["--speculative-accept-check"] if self.speculative_accept_check else []
+            given += ["--speculative-adaptive"] if self.speculative_adaptive else []
             if given:
                 raise ValueError(f"{given[0]} needs --speculative-algorithm")
+        if not self.speculative_adaptive:
+            for name, value in [("--speculative-adaptive-steps", self.speculative_adaptive_steps),
+                                ("--speculative-adaptive-schedule", self.speculative_adaptive_schedule)]:
+                if value is not None:
+                    raise ValueError(f"{name} needs --speculative-adaptive")
+        if self.speculative_algorithm is None:
             return
         for name, value in list(spec_flags.items())[1:]:
             if value is not None and value < 1:
@@ -252,6 +269,29 @@ class ServerArgs:
                 f"--speculative-num-draft-tokens must be in [2, {max_draft}] for --speculative-num-steps {steps} "
                 f"and --speculative-eagle-topk {topk}, got {draft}"
             )
+        if self.speculative_adaptive:
+            self._check_adaptive()
+
+    def _check_adaptive(self) -> None:
+        if self.speculative_eagle_topk != 1:
+            raise ValueError(
+                f"--speculative-adaptive switches between chains: it needs --speculative-eagle-topk 1, "
+                f"got {self.speculative_eagle_topk}"
+            )
+        tiers = self.speculative_tiers
+        if len(tiers) < 2:
+            raise ValueError(f"--speculative-adaptive-steps needs at least two tiers, got {self.speculative_adaptive_steps!r}")
+        if self.speculative_num_steps not in tiers:
+            raise ValueError(
+                f"--speculative-num-steps {self.speculative_num_steps} must be one of --speculative-adaptive-steps "
+                f"{','.join(map(str, tiers))} (it is the starting tier)"
+            )
+        for steps, _ in self.speculative_adaptive_schedule_pairs:
+            if steps not in tiers:
+                raise ValueError(
+                    f"--speculative-adaptive-schedule: {steps} steps is not a tier of --speculative-adaptive-steps "
+                    f"{','.join(map(str, tiers))}"
+                )
 
     def _check_gpus_exist(self) -> None:
         import torch
@@ -309,6 +349,36 @@ class ServerArgs:
     def attn_tp_size(self) -> int:
         return self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
 
+    @property
+    def speculative_tiers(self) -> tuple[int, ...]:
+        """Draft steps of each speculative tier, ascending: --speculative-adaptive-steps, else
+        --speculative-num-steps alone (empty without speculation)."""
+        if self.speculative_algorithm is None:
+            return ()
+        if not self.speculative_adaptive:
+            return (self.speculative_num_steps,)
+        return tuple(sorted(set(_parse_steps_list(self.speculative_adaptive_steps, "--speculative-adaptive-steps"))))
+
+    @property
+    def speculative_adaptive_schedule_pairs(self) -> list[tuple[int, int]]:
+        """--speculative-adaptive-schedule as (steps, cycles) pairs (empty when not given)."""
+        text = self.speculative_adaptive_schedule
+        if text is None:
+            return []
+        pairs = []
+        for item in text.split(","):
+            steps, sep, cycles = item.partition(":")
+            try:
+                pair = (int(steps), int(cycles))
+            except ValueError:
+                pair = None
+            if not sep or pair is None or min(pair) < 1:
+                raise ValueError(
+                    f"--speculative-adaptive-schedule takes steps:cycles pairs of positive integers, e.g. 3:4,1:2; got {text!r}"
+                )
+            pairs.append(pair)
+        return pairs
+
 
 _NOT_SUPPORTED_YET.extend(
     [
@@ -318,6 +388,17 @@ _NOT_SUPPORTED_YET.extend(
         (lambda a: a.speculative_algorithm == "EAGLE3", "--speculative-algorithm EAGLE3 is not supported yet; use EAGLE or NEXTN"),
     ]
 )
+
+
+def _parse_steps_list(text: str, flag: str) -> list[int]:
+    """Comma-separated positive integers (a flag's value), or a ValueError naming the flag."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} takes comma-separated positive integers, e.g. 1,3,5; got {text!r}")
+    return values
 
 
 def _cuda_available() -> bool:

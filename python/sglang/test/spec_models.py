@@ -93,8 +93,10 @@ def make_perfect_llama_pair(out_dir: str, seed: int = 0) -> tuple[str, str]:
     return target_dir, _write_head(target_dir, os.path.join(out_dir, "head"), head)
 
 
-def make_perfect_deepseek_v3(out_dir: str, seed: int = 0) -> str:
-    """One-layer (MoE) DeepSeek-V3 whose in-checkpoint MTP layer predicts exactly its next token."""
+def make_perfect_deepseek_v3(out_dir: str, seed: int = 0, draft_noise: float = 0.0) -> str:
+    """One-layer (MoE) DeepSeek-V3 whose in-checkpoint MTP layer predicts exactly its next token;
+    with draft_noise > 0, Gaussian noise of that scale on the MTP layer's input projection makes
+    the draft agree with the target on part of the tokens only (partial acceptance)."""
     make_tiny_deepseek_v3(
         out_dir, seed=seed, with_mtp=False, num_hidden_layers=1, first_k_dense_replace=0, rms_norm_eps=_EXACT_EPS
     )
@@ -109,7 +111,8 @@ def make_perfect_deepseek_v3(out_dir: str, seed: int = 0) -> str:
         state[mtp + name.removeprefix("model.layers.0.")] = state[name].clone()
     state[mtp + "enorm.weight"] = torch.ones(hidden)
     state[mtp + "hnorm.weight"] = torch.ones(hidden)
-    state[mtp + "eh_proj.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    noise = draft_noise * torch.randn((hidden, hidden), generator=torch.Generator().manual_seed(seed + 1))
+    state[mtp + "eh_proj.weight"] = torch.cat([torch.eye(hidden) + noise, torch.zeros(hidden, hidden)], dim=1)
     state[mtp + "shared_head.norm.weight"] = state["model.norm.weight"].clone()
     state[mtp + "shared_head.head.weight"] = state["lm_head.weight"].clone()
     state[mtp + "embed_tokens.weight"] = embed.clone()

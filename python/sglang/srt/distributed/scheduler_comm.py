@@ -41,6 +41,9 @@ class LocalPlan:
     is_extend: int = 0  # 1 when this rank runs a prefill batch
     has_work: int = 0  # 1 when this rank holds requests (queued, running or in flight)
     prefill_wait: int = 0  # iterations this rank has held prefills (managers/dp_prefill_align.py)
+    # --speculative-adaptive: drafts accepted and rejected over this rank's recent verify cycles.
+    spec_accepted: int = 0
+    spec_rejected: int = 0
 
     @classmethod
     def width(cls) -> int:

@@ -78,8 +78,7 @@ def run_accept_check(scheduler: "Scheduler") -> list[PassResult]:
             outputs = _run_pass(scheduler, prompts)
         accept_length = scheduler.avg_spec_accept_length() or 0.0
         mine.append(PassResult(scheduler.dp_rank or 0, mode, accept_length, outputs == reference))
-    scheduler.spec_tokens_total = scheduler.spec_steps_total = 0  # serving's statistics start at zero
-    scheduler.spec_tokens_since_log = scheduler.spec_steps_since_log = 0
+    scheduler.reset_spec_stats()  # serving's statistics start at zero
     # One entry per DP rank: its attention-TP peers ran the same batches.
     results = [r for rank_results in scheduler.comm.gather_objects(mine)[:: scheduler.comm.attn_tp_size] for r in rank_results]
     if scheduler.tp_rank == 0:
@@ -95,8 +94,7 @@ def _run_pass(scheduler: "Scheduler", prompts: list[list[int]]) -> list[list[int
     """Greedy outputs of the prompts, run until the whole replica is idle; the pool is flushed
     before and after and the statistics of speculation start from zero."""
     _flush(scheduler)
-    scheduler.spec_tokens_total = scheduler.spec_steps_total = 0
-    scheduler.spec_tokens_since_log = scheduler.spec_steps_since_log = 0
+    scheduler.reset_spec_stats()
     rids = [f"accept-check-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(rids, prompts):
         params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)

@@ -49,6 +49,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.req_kv import ReqKVManager
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.server_args import PortArgs, ServerArgs
+from sglang.srt.speculative.adaptive import AdaptiveTiers, figures_of_plan
 from sglang.srt.utils.hf_transformers_utils import get_server_tokenizer, resolve_model_path
 from sglang.srt.utils.triton_compile_log import TritonCompileLog
 from sglang.srt.utils.zmq_utils import shared_context
@@ -99,6 +100,8 @@ class Scheduler:
             from sglang.srt.speculative.eagle_worker import EAGLEWorker
 
             self.worker = self.spec_worker = EAGLEWorker(server_args, target, gpu_id, tp_rank)
+        # --speculative-adaptive: each decode cycle's tier (draft steps), decided alike on every rank.
+        self.adaptive = AdaptiveTiers.from_server_args(server_args) if server_args.speculative_adaptive else None
         # Under DP attention prefill is always chunked so that it fits the gathered buffer.
         no_chunking = server_args.chunked_prefill_size == -1 and not server_args.enable_dp_attention
         self.chunk_size = None if no_chunking else runner.prefill_token_budget()
@@ -250,6 +253,7 @@ class Scheduler:
         (and, with speculation, the phases and sizes of every sub-forward, see spec_plan.py).
         A rank without work runs an IDLE batch so that each collective is issued everywhere."""
         self.forward_started_at = time.monotonic()
+        accepted, rejected = self.adaptive.window_figures() if self.adaptive else (0, 0)
         local = LocalPlan(
             num_tokens=len(batch.input_ids) if batch else 0,
             num_reqs=len(batch.reqs) if batch else 0,
@@ -260,6 +264,8 @@ class Scheduler:
                 prefilled=batch is not None and batch.mode == ForwardMode.EXTEND,
                 continues_chunk=self.chunked_req is not None,
             ),
+            spec_accepted=accepted,
+            spec_rejected=rejected,
         )
         plan = self.last_plan = self.comm.gather_plan(local)
         self.forward_started_at = None
@@ -272,7 +278,8 @@ class Scheduler:
         if self.server_args.debug_collectives:
             descriptor = {"global_num_tokens": plan.global_num_tokens}
             if self.spec_worker is not None:
-                descriptor["sub_forwards"] = self.spec_worker.planned_sub_forwards(plan)
+                steps = self.adaptive.preview(figures_of_plan(plan)) if self.adaptive else None
+                descriptor["sub_forwards"] = self.spec_worker.planned_sub_forwards(plan, steps)
             self.comm.check_agreement(
                 descriptor, {"mode": int(batch.mode), "input_ids": batch.input_ids, "seq_lens": batch.seq_lens}
             )
@@ -445,9 +452,10 @@ class Scheduler:
         """Queue the batch's forward; its KV positions count at once, its tokens are in flight."""
         self.forward_started_at = time.monotonic()
         if self.spec_worker is not None:
-            step = self.spec_worker.launch(batch, plan)
+            steps = self.spec_tier(batch, plan)
+            step = self.spec_worker.launch(batch, plan, steps)
             if plan is not None and self.server_args.debug_collectives:
-                self.check_sub_forwards(plan)
+                self.check_sub_forwards(plan, steps)
         else:
             step = self.worker.launch(batch)
         self.forward_started_at = None
@@ -457,6 +465,16 @@ class Scheduler:
         for i in step.sampled_rows:
             batch.reqs[i].in_flight += 1
         return step
+
+    def spec_tier(self, batch: ScheduleBatch, plan: Optional[GlobalPlan]) -> Optional[int]:
+        """--speculative-adaptive: the tier (draft steps) of this iteration's decode cycles, from
+        every DP rank's figures in the plan, or from this DP group's own (None: the one tier)."""
+        if self.adaptive is None:
+            return None
+        if plan is not None:
+            return self.adaptive.next_tier(figures_of_plan(plan))
+        decode_reqs = len(batch.reqs) if batch.mode == ForwardMode.DECODE else 0
+        return self.adaptive.next_tier(self.adaptive.local_figures(decode_reqs))
 
     def process(self, batch: ScheduleBatch, step: LaunchedStep) -> None:
         """Wait for the step's tokens and hand them to their requests. A request that finished
@@ -476,6 +494,8 @@ class Scheduler:
             self.log_prefill(batch)
             self.running += [r for r in batch.reqs if r.output_ids and r is not self.chunked_req and not r.finished and r not in self.running]
         elif batch.mode == ForwardMode.DECODE:
+            if self.adaptive is not None:
+                self.adaptive.observe(result.draft_steps, result.accepted_draft_tokens)
             self.log_decode(batch, result)
         out = []
         for i in live:
@@ -492,10 +512,10 @@ class Scheduler:
         first token goes out at once, the rest with its finish at the latest."""
         return req.streamed_len == 0 or len(req.output_ids) - req.streamed_len >= self.server_args.stream_interval
 
-    def check_sub_forwards(self, plan: GlobalPlan) -> None:
+    def check_sub_forwards(self, plan: GlobalPlan, steps: Optional[int]) -> None:
         """--debug-collectives: the speculative sub-forwards this rank ran are exactly the planned
-        ones (kinds, every DP rank's rows), and its own rows match its entry."""
-        planned = self.spec_worker.planned_sub_forwards(plan)
+        ones (kinds, every DP rank's rows at the tier of `steps`), and its own rows match its entry."""
+        planned = self.spec_worker.planned_sub_forwards(plan, steps)
         ran = [(kind, rows) for kind, rows, _ in self.spec_worker.trace]
         own = [local == rows[self.dp_rank] for _, rows, local in self.spec_worker.trace]
         if ran != planned or not all(own):
@@ -610,6 +630,7 @@ class Scheduler:
         spec = ""
         if self.spec_steps_since_log:
             spec = f"accept len: {self.spec_tokens_since_log / self.spec_steps_since_log:.2f}, "
+            spec += self.adaptive.log_text() if self.adaptive else ""
             self.spec_tokens_total += self.spec_tokens_since_log
             self.spec_steps_total += self.spec_steps_since_log
             self.spec_tokens_since_log = self.spec_steps_since_log = 0
@@ -624,6 +645,13 @@ class Scheduler:
             self.last_gen_throughput,
             len(self.waiting),
         )
+
+    def reset_spec_stats(self) -> None:
+        """Speculation's statistics start from zero (and adaptive tiers from the starting tier)."""
+        self.spec_tokens_total = self.spec_steps_total = 0
+        self.spec_tokens_since_log = self.spec_steps_since_log = 0
+        if self.adaptive is not None:
+            self.adaptive.reset()
 
     def avg_spec_accept_length(self) -> Optional[float]:
         """Mean tokens per request per verify step since startup (None without speculation)."""
@@ -655,15 +683,25 @@ class Scheduler:
             "iterations": self.iterations,
             "plan_all_gathers": self.comm.num_plan_gathers,
             "gathered_buffer_bytes": _nbytes(self.runner.gathered_buffer),
-            "cuda_graph_replays": self.cuda_graph_replays(),
+            "cuda_graph_replays": sum(g.num_replays for g in self.graph_runners()),
+            "cuda_graph_capture_mib": self.cuda_graph_capture_mib(),
             "prefill_wait_iterations": self.prefill_hold.total_held_iters,  # DP attention: held or without room
             **self.balance.internal_state(),
+            **(self.adaptive.internal_state() if self.adaptive else {}),
         }
 
-    def cuda_graph_replays(self) -> int:
-        """Graph replays of this rank's runners (target and draft) since startup."""
+    def graph_runners(self) -> list:
+        """The CUDA graph runners of this rank's model runners (target and draft)."""
         runners = [self.runner, getattr(self.spec_worker, "draft_runner", None)]
-        return sum(r.graph_runner.num_replays for r in runners if r is not None and r.graph_runner is not None)
+        return [r.graph_runner for r in runners if r is not None and r.graph_runner is not None]
+
+    def cuda_graph_capture_mib(self) -> dict[str, float]:
+        """GPU memory the graphs took at capture, per speculative tier (key "0" outside speculation)."""
+        mib: dict[str, float] = {}
+        for graphs in self.graph_runners():
+            for steps, used in graphs.capture_mib.items():
+                mib[str(steps)] = mib.get(str(steps), 0.0) + used
+        return mib
 
     def start_watchdog(self) -> None:
         timeout = self.server_args.watchdog_timeout

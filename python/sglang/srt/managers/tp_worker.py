@@ -33,8 +33,10 @@ class GenerationResult:
     # Per request, per new token: (logprob, token id) and top logprobs, when asked for.
     logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     top_logprobs: list[list[list[tuple[float, int]]]] = field(default_factory=list)
-    # Draft tokens accepted this step per request (speculative workers only).
+    # Draft tokens accepted this step per request, and the draft steps of the cycle's tier
+    # (speculative workers only).
     accepted_draft_tokens: Optional[list[int]] = None
+    draft_steps: Optional[int] = None
     # Extend: per request, (logprob, token id) and top logprobs of the prompt tokens whose
     # logprobs this chunk computed (ScheduleBatch.input_logprob_rows), when any were asked for.
     input_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)

@@ -1,7 +1,7 @@
 """CUDA graphs for fixed-shape forwards (DESIGN.md §8).
 
 One runner per ModelRunner. A graph is keyed by a frozen `GraphKey` (mode, padded per-rank
-batch size, tokens per request) and replays the attention-metadata build *and* the model
+batch size, tokens per request, tree width, speculative tier) and replays the attention-metadata build *and* the model
 forward together, reading nothing but the runner's static input buffers, the weights and
 the KV pool. Because the metadata is rebuilt inside every replay, nothing a graph reads at
 replay time lives in the shared memory pool, so all graphs can share one pool safely.
@@ -17,7 +17,10 @@ Invariants:
 - choosing a graph reads host values only (no device sync);
 - under DP attention the choice depends only on the iteration plan (the same on every rank):
   when no DP rank extends, every rank replays the decode graph padded to the largest DP
-  rank's batch, idle ranks included, so the gathers inside the graphs line up.
+  rank's batch, idle ranks included, so the gathers inside the graphs line up;
+- a speculative sub-forward replays only a graph of its own tier (`ForwardBatch.spec_steps`,
+  the same on every rank): tiers share the static inputs and the memory pool, never a graph
+  or an output buffer.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
@@ -100,6 +103,14 @@ class CapturedMode:
     slots_only: bool = False  # the work reads only its batch's table rows and KV slots (a decode cycle)
 
 
+class ModeKey(NamedTuple):
+    """A captured mode: its forward mode and, for a speculative sub-forward, the draft steps of
+    its tier (0 outside speculation). Tiers capture the same forward modes with other programs."""
+
+    mode: ForwardMode
+    spec_steps: int = 0
+
+
 @dataclass(frozen=True)
 class GraphKey:
     """What makes two forwards replayable by the same graph."""
@@ -108,6 +119,11 @@ class GraphKey:
     batch_size: int  # padded requests on this rank
     tokens_per_req: int
     tree_cols: int = 0  # tree-mask width (0: no tree mask)
+    spec_steps: int = 0  # the speculative tier's draft steps (0 outside speculation)
+
+    @property
+    def mode_key(self) -> ModeKey:
+        return ModeKey(self.mode, self.spec_steps)
 
     @property
     def num_tokens(self) -> int:
@@ -297,6 +313,7 @@ class StaticInputs:
             spec_info=self._spec_input(n, mode),
             global_num_tokens=None if self.dp_size is None else [n] * self.dp_size,
             global_forward_mode=None if self.dp_size is None else key.mode,
+            spec_steps=key.spec_steps,
         )
 
 
@@ -307,7 +324,7 @@ class CudaGraphRunner:
     def __init__(
         self,
         model_runner: "ModelRunner",
-        modes: dict[ForwardMode, CapturedMode],
+        modes: dict[ModeKey, CapturedMode],
         batch_sizes: Sequence[int],
         disable_padding: bool,
         dp_size: Optional[int] = None,
@@ -322,7 +339,7 @@ class CudaGraphRunner:
         self.batch_sizes = sorted(batch_sizes)
         self.disable_padding = disable_padding
         self.keys = [
-            GraphKey(m, b, spec.tokens_per_req, cols)
+            GraphKey(m.mode, b, spec.tokens_per_req, cols, m.spec_steps)
             for m, spec in self.modes.items()
             for cols in spec.tree_cols
             for b in self.batch_sizes
@@ -345,8 +362,11 @@ class CudaGraphRunner:
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         # Per mode, the static buffers its graphs copy their outputs into, each with its rows
         # per request (sized for the largest batch; a replay's outputs are their first rows).
-        self.outputs: dict[ForwardMode, list[tuple[torch.Tensor, int]]] = {}
+        self.outputs: dict[ModeKey, list[tuple[torch.Tensor, int]]] = {}
         self.num_replays = 0  # idle DP ranks replay too: they count here
+        # GPU memory the capture took per speculative tier (draft steps; 0 outside speculation),
+        # in capture order: a tier's figure is what it added to the tiers captured before it.
+        self.capture_mib: dict[int, float] = {}
 
     # ------------------------------------------------------------------ choice
     def key_for(self, fb: ForwardBatch) -> Optional[GraphKey]:
@@ -354,22 +374,22 @@ class CudaGraphRunner:
         if fb.req_to_token_pool.req_to_token is not self.req_to_token:
             return None
         if fb.global_num_tokens is not None:
-            key = self.dp_key(fb.global_forward_mode, fb.global_num_tokens, _tree_cols(fb))
+            key = self.dp_key(fb.global_forward_mode, fb.global_num_tokens, _tree_cols(fb), fb.spec_steps)
             fits = (
                 key is not None
                 and fb.mode in (key.mode, ForwardMode.IDLE)
                 and fb.num_tokens == fb.batch_size * key.tokens_per_req
-                and self._matches(fb, self.modes[key.mode], key.tree_cols)
+                and self._matches(fb, self.modes[key.mode_key], key.tree_cols)
             )
             return key if fits else None
-        mode = self.modes.get(fb.mode)
+        mode = self.modes.get(ModeKey(fb.mode, fb.spec_steps))
         if mode is None or fb.batch_size < 1 or fb.num_tokens != fb.batch_size * mode.tokens_per_req:
             return None
         tree_cols = _tree_cols(fb)
         if tree_cols not in mode.tree_cols or not self._matches(fb, mode, tree_cols):
             return None
         bs = padded_batch_size(fb.batch_size, self.batch_sizes, self.disable_padding)
-        return None if bs is None else GraphKey(fb.mode, bs, mode.tokens_per_req, tree_cols)
+        return None if bs is None else GraphKey(fb.mode, bs, mode.tokens_per_req, tree_cols, fb.spec_steps)
 
     @staticmethod
     def _matches(fb: ForwardBatch, mode: CapturedMode, tree_cols: int) -> bool:
@@ -384,35 +404,45 @@ class CudaGraphRunner:
         )
 
     def dp_key(
-        self, global_mode: Optional[ForwardMode], global_num_tokens: Sequence[int], tree_cols: int = 0
+        self,
+        global_mode: Optional[ForwardMode],
+        global_num_tokens: Sequence[int],
+        tree_cols: int = 0,
+        spec_steps: int = 0,
     ) -> Optional[GraphKey]:
         """DP attention: the key every rank replays in this forward, from the plan alone (so all
-        ranks choose alike; tree_cols too is the same on every rank, idle ones included): the
-        graph of the largest DP rank's batch, or None (all eager)."""
-        mode = self.modes.get(global_mode) if global_mode is not None else None
+        ranks choose alike; tree_cols and the speculative tier too are the same on every rank,
+        idle ones included): the graph of the largest DP rank's batch, or None (all eager)."""
+        mode = self.modes.get(ModeKey(global_mode, spec_steps)) if global_mode is not None else None
         if self.inputs.dp_size is None or mode is None or tree_cols not in mode.tree_cols:
             return None
         tpr = mode.tokens_per_req
         if any(n % tpr for n in global_num_tokens):
             return None
         bs = padded_batch_size(max(global_num_tokens) // tpr, self.batch_sizes, self.disable_padding)
-        return None if bs is None else GraphKey(global_mode, bs, tpr, tree_cols)
+        return None if bs is None else GraphKey(global_mode, bs, tpr, tree_cols, spec_steps)
 
     # ------------------------------------------------------------------ capture
+    def capture_order(self) -> list[GraphKey]:
+        """Largest tier first, and in each tier the largest key first (later, smaller graphs
+        reuse the pool's memory)."""
+        return sorted(self.keys, key=lambda k: (k.spec_steps, k.num_tokens, k.tree_cols, k.batch_size), reverse=True)
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every key, largest first, into one memory pool; log progress and memory."""
+        """Capture every key (capture_order) into one memory pool; log progress and the memory
+        each tier took."""
         runner = self.model_runner
         device = torch.device(runner.device)
         runner.attn_backend.init_cuda_graph_state(
             self.max_bs, self.max_bs * self.req_to_token.shape[1], device
         )
         torch.cuda.synchronize(device)
-        free_before = torch.cuda.mem_get_info(device)[0]
+        free_before = free = torch.cuda.mem_get_info(device)[0]
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
-        ordered = sorted(self.keys, key=lambda k: (k.num_tokens, k.tree_cols, k.batch_size), reverse=True)
+        ordered = self.capture_order()
         for i, key in enumerate(ordered):
             try:
                 self.graphs[key] = self._capture_one(key, pool, stream)
@@ -424,12 +454,15 @@ class CudaGraphRunner:
                     f"--mem-fraction-static, or pass --disable-cuda-graph."
                 ) from e
             logger.info("Captured CUDA graph %d/%d: %s", i + 1, len(ordered), key)
-        torch.cuda.synchronize(device)
-        used = free_before - torch.cuda.mem_get_info(device)[0]
+            if i + 1 == len(ordered) or ordered[i + 1].spec_steps != key.spec_steps:  # the tier's last graph
+                torch.cuda.synchronize(device)
+                free, before = torch.cuda.mem_get_info(device)[0], free
+                self.capture_mib[key.spec_steps] = (before - free) / _MIB
+        tiers = ", ".join(f"{steps} steps {mib:.0f} MiB" for steps, mib in self.capture_mib.items() if steps)
         logger.info(
-            "CUDA graphs: %d captured (batch sizes %s, modes %s) in %.1f s, %.0f MiB of GPU memory",
-            len(ordered), self.batch_sizes, [m.name for m in self.modes], time.perf_counter() - start,
-            used / _MIB,
+            "CUDA graphs: %d captured (batch sizes %s, modes %s) in %.1f s, %.0f MiB of GPU memory%s",
+            len(ordered), self.batch_sizes, sorted({m.mode.name for m in self.modes}), time.perf_counter() - start,
+            (free_before - free) / _MIB, f" (per speculative tier: {tiers})" if tiers else "",
         )
 
     def captured_forward(self, fb: ForwardBatch, runner: Optional["ModelRunner"] = None) -> LogitsProcessorOutput:
@@ -443,7 +476,7 @@ class CudaGraphRunner:
 
     def _run(self, fb: ForwardBatch, key: GraphKey) -> tuple[torch.Tensor, ...]:
         """The captured work of key's mode: its program, or one forward (logits[, hidden])."""
-        program = self.modes[key.mode].program
+        program = self.modes[key.mode_key].program
         if program is not None:
             return program(fb, self.captured_forward)
         out = self.captured_forward(fb)
@@ -451,16 +484,16 @@ class CudaGraphRunner:
 
     def ensure_outputs(self, key: GraphKey, warm: tuple[torch.Tensor, ...]) -> None:
         """The static output buffers of key's mode, shaped after a warm-up run's outputs."""
-        if key.mode in self.outputs:
+        if key.mode_key in self.outputs:
             return
         buffers = []
         for t in warm:
             per_req = t.shape[0] // key.batch_size
             buffers.append((t.new_empty((self.max_bs * per_req, *t.shape[1:])), per_req))
-        self.outputs[key.mode] = buffers
+        self.outputs[key.mode_key] = buffers
 
     def _capture_one(self, key: GraphKey, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
-        fb = self.inputs.padding_batch(key, self.modes[key.mode])
+        fb = self.inputs.padding_batch(key, self.modes[key.mode_key])
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile kernels and create library workspaces outside the capture
@@ -474,19 +507,19 @@ class CudaGraphRunner:
 
     def run_into_outputs(self, fb: ForwardBatch, key: GraphKey) -> None:
         """What a graph holds: the captured work, its outputs copied into the static buffers."""
-        for (buffer, _), out in zip(self.outputs[key.mode], self._run(fb, key)):
+        for (buffer, _), out in zip(self.outputs[key.mode_key], self._run(fb, key)):
             buffer[: out.shape[0]].copy_(out)
 
     # ------------------------------------------------------------------ replay
     def replay(self, fb: ForwardBatch, key: GraphKey) -> Union[LogitsProcessorOutput, tuple[torch.Tensor, ...]]:
         """Run fb through the graph of key (from key_for); outputs are fresh tensors (views
         under `outputs_as_views`): the program's outputs, or the forward's logits (and hidden states)."""
-        mode = self.modes[key.mode]
+        mode = self.modes[key.mode_key]
         self.inputs.fill(fb, key, mode)
         self.graphs[key].replay()
         self.num_replays += 1
         record_graph_replay(key)
-        outs = tuple(buffer[: fb.batch_size * per_req] for buffer, per_req in self.outputs[key.mode])
+        outs = tuple(buffer[: fb.batch_size * per_req] for buffer, per_req in self.outputs[key.mode_key])
         if not mode.outputs_as_views:
             outs = tuple(t.clone() for t in outs)
         if mode.program is not None:

@@ -74,6 +74,9 @@ class ForwardBatch:
     input_top_logprobs_num: int = 0
     # Speculative decoding input (draft hidden states etc.), owned by speculative/.
     spec_info: Any = None
+    # The draft steps of the speculative tier a sub-forward belongs to (0 outside speculation):
+    # CUDA graphs are captured per tier, so it picks the graph.
+    spec_steps: int = 0
     # DP attention: tokens each DP rank contributes to this forward (same on every rank),
     # and this rank's gathered buffer (allocated once; sliced per forward, never kept).
     global_num_tokens: Optional[list[int]] = None

@@ -28,6 +28,7 @@ from sglang.srt.model_executor.cuda_graph_runner import (
     CudaGraphRunner,
     GraphCapturableBackend,
     GraphProgram,
+    ModeKey,
     capture_batch_sizes,
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -82,19 +83,21 @@ class ModelRunner:
         gathered_buffer: Optional[torch.Tensor] = None,
         is_draft: bool = False,
         embed_and_head: Optional[tuple[nn.Parameter, nn.Parameter]] = None,
-        draft_loop: Optional[GraphProgram] = None,
-        decode_cycle: Optional[GraphProgram] = None,
+        draft_programs: Optional[dict[int, tuple[Optional[GraphProgram], GraphProgram]]] = None,
     ):
         """A draft runner (is_draft) passes the target's req_to_token_pool and allocator (shared
         slots), under DP attention the target's gathered buffer (one buffer per rank), the
-        target's embedding and LM head, which its model uses instead of its own, and the draft
-        loop and decode cycle that its CUDA graphs capture."""
+        target's embedding and LM head, which its model uses instead of its own, and per
+        speculative tier (its draft steps) the draft loop and decode cycle that its CUDA graphs
+        capture."""
         self.model_config = model_config
         self.server_args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.is_draft = is_draft
-        self.draft_loop, self.decode_cycle = draft_loop, decode_cycle
-        self.spec_sizes = SpecSizes.from_server_args(server_args) if server_args.speculative_algorithm else None
+        self.draft_programs = draft_programs or {}
+        # Speculative tiers, ascending; the largest sizes the buffers and the request->token table.
+        self.spec_tiers = SpecSizes.tiers(server_args) if server_args.speculative_algorithm else ()
+        self.spec_sizes = self.spec_tiers[-1] if self.spec_tiers else None
         # KV heads are sharded over the attention-TP group (all of TP unless DP attention).
         self.attn_tp_size = server_args.attn_tp_size
         self.device = f"cuda:{gpu_id}" if server_args.device == "cuda" else "cpu"
@@ -201,11 +204,11 @@ class ModelRunner:
 
     def _tokens_per_request(self) -> int:
         """Most rows one request feeds a forward outside prefill (a speculative cycle's largest
-        sub-forward: draft steps, verify, draft extend)."""
-        args = self.server_args
-        if args.speculative_algorithm is None:
+        sub-forward of the largest tier: draft steps, verify, draft extend)."""
+        sizes = self.spec_sizes
+        if sizes is None:
             return 1
-        return max(args.speculative_num_draft_tokens, args.speculative_eagle_topk, args.speculative_num_steps + 1)
+        return max(sizes.num_draft_tokens, sizes.topk, sizes.draft_extend_rows)
 
     def _init_ipc_collectives(self) -> None:
         """The IPC buffers of this replica's groups, sized for the largest message the model
@@ -267,7 +270,7 @@ class ModelRunner:
             logger.info("MoE kernels warmed up: %d batch sizes for %d expert shape(s)", batches, len(done))
 
     # ------------------------------------------------------------------ CUDA graphs
-    def _graph_modes(self) -> dict[ForwardMode, CapturedMode]:
+    def _graph_modes(self) -> dict[ModeKey, CapturedMode]:
         """The modes captured in CUDA graphs (empty: no graphs)."""
         args = self.server_args
         if args.disable_cuda_graph or args.device != "cuda":
@@ -280,11 +283,14 @@ class ModelRunner:
             return {}
         if self.spec_sizes is not None:
             return self.speculative_graph_modes()
-        return {ForwardMode.DECODE: CapturedMode(1)}
+        return {ModeKey(ForwardMode.DECODE): CapturedMode(1)}
 
-    def speculative_graph_modes(self) -> dict[ForwardMode, CapturedMode]:
-        """The speculative sub-forwards this runner's graphs capture (target or draft)."""
-        return self.spec_sizes.captured_modes(self.is_draft, self.draft_loop, self.decode_cycle)
+    def speculative_graph_modes(self) -> dict[ModeKey, CapturedMode]:
+        """The speculative sub-forwards this runner's graphs capture (target or draft), of every tier."""
+        modes: dict[ModeKey, CapturedMode] = {}
+        for sizes in self.spec_tiers:
+            modes.update(sizes.captured_modes(self.is_draft, *self.draft_programs.get(sizes.steps, (None, None))))
+        return modes
 
     def _make_graph_runner(self) -> Optional[CudaGraphRunner]:
         modes = self._graph_modes()
@@ -326,7 +332,7 @@ class ModelRunner:
         self.attach(forward_batch)
         if self.graph_runner is not None:
             key = self.graph_runner.key_for(forward_batch)
-            if key is not None and self.graph_runner.modes[key.mode].program == program:
+            if key is not None and self.graph_runner.modes[key.mode_key].program == program:
                 return self.graph_runner.replay(forward_batch, key)
         if program is not None:
             return program(forward_batch, self.forward_eager)

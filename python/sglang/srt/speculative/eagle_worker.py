@@ -19,6 +19,9 @@ follows from the KV lengths in the request states. A greedy batch without penalt
 cycle as one program (with CUDA graphs: one graph launch per cycle) and reads the device once,
 after it is queued (the emitted tokens and the nodes kept); the rejected nodes' slots are
 freed then. Other batches run it sub-forward by sub-forward and accept on the host.
+A cycle runs at the tier (draft steps) the scheduler chose for the iteration (spec_tier.py);
+one cycle's tier may differ from the one still in flight, which keeps its own sizes
+(LaunchedCycle.sizes).
 Under DP attention every rank runs the same sub-forward sequence with the same per-rank rows,
 derived from the iteration's plan all-gather (spec_plan.py); a rank without work in a phase
 runs zero-row (IDLE) sub-forwards. Hidden states handed from one sub-forward to the next are
@@ -45,8 +48,7 @@ from sglang.srt.managers.tp_worker import GenerationResult, InputLogprobs, Launc
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
-from sglang.srt.speculative.decode_cycle import CycleTensors, DecodeCycle, cycle_batch
-from sglang.srt.speculative.draft_loop import DraftLoop
+from sglang.srt.speculative.decode_cycle import CycleTensors, cycle_batch
 from sglang.srt.speculative.eagle_utils import (
     Acceptance,
     DraftTree,
@@ -60,6 +62,7 @@ from sglang.srt.speculative.eagle_utils import (
 )
 from sglang.srt.speculative.spec_info import RequestStates, SpecInput, top_guesses
 from sglang.srt.speculative.spec_plan import SpecIterationPlan, SpecSizes, SubForward
+from sglang.srt.speculative.spec_tier import SpecTier
 from sglang.srt.utils.transfer import HostCopy, upload
 
 logger = logging.getLogger(__name__)
@@ -97,9 +100,10 @@ class LaunchedCycle:
     its KV positions reach the host in resolve(), which also frees the verify slots not kept."""
 
     reqs: list[Req]
+    sizes: SpecSizes  # the cycle's tier
     slots: torch.Tensor  # [bs, cycle slots] the cycle's slots (host), the verify's first
     reads: HostCopy  # accept lengths, emitted tokens, kept nodes, then the optional reads
-    finish: Callable[[list[Req], torch.Tensor, list], GenerationResult]
+    finish: Callable[[SpecSizes, list[Req], torch.Tensor, list], GenerationResult]
     kv_known_at_launch = False
 
     @property
@@ -111,7 +115,7 @@ class LaunchedCycle:
         return None
 
     def resolve(self) -> GenerationResult:
-        return self.finish(self.reqs, self.slots, self.reads.tensors())
+        return self.finish(self.sizes, self.reqs, self.slots, self.reads.tensors())
 
 
 class EAGLEWorker:
@@ -119,23 +123,25 @@ class EAGLEWorker:
         self.target = target_worker
         self.kv = target_worker.kv
         self.device = target_worker.device
-        self.steps = server_args.speculative_num_steps
-        self.topk = server_args.speculative_eagle_topk
-        self.num_draft = server_args.speculative_num_draft_tokens
         self.detect_nan = server_args.enable_nan_detection
-        self.sizes = SpecSizes.from_server_args(server_args)
+        tiers = SpecSizes.tiers(server_args)
+        # The largest tier: the KV slots per request the scheduler keeps free for any cycle.
+        self.sizes = tiers[-1]
+        self.topk = self.sizes.topk  # the same in every tier
         target_runner = target_worker.runner
         self.hidden_size = target_runner.model_config.hidden_size
         # Positions past the context are never emitted (the request stops first); clamp them.
         self.max_position = target_runner.model_config.context_len - 1
-        self.draft_loop = (
-            DraftLoop(self.steps, self.topk, self.num_draft, self.max_position) if self.steps > 1 else None
-        )
         draft_config = draft_model_config(server_args)
         table = target_runner.req_to_token_pool
         self.states = RequestStates(table.req_to_token.shape[0], self.topk, self.hidden_size, draft_config.dtype, self.device)
-        # Made before the draft runner, whose CUDA graphs capture it.
-        self.cycle = DecodeCycle(self.sizes, self.max_position, self.states, table, target_runner, self.draft_loop)
+        # Made before the draft runner, whose CUDA graphs capture their programs.
+        self.tiers = {
+            sizes.steps: SpecTier.build(sizes, self.max_position, states=self.states, table=table, target=target_runner)
+            for sizes in tiers
+        }
+        # The tier of the latest decode cycle launched: a request's cycle in flight is that one.
+        self.launched_sizes = self.sizes
         self.draft_runner = ModelRunner(
             draft_config,
             server_args,
@@ -147,30 +153,26 @@ class EAGLEWorker:
             gathered_buffer=target_runner.gathered_buffer,
             is_draft=True,
             embed_and_head=target_runner.model.get_embed_and_head(),
-            draft_loop=self.draft_loop,
-            decode_cycle=self.cycle,
+            draft_programs={steps: tier.graph_programs for steps, tier in self.tiers.items()},
         )
-        # The sub-forwards that run as one program (its graph, or its forwards eagerly).
-        self.programs = {
-            SubForward.TARGET_VERIFY: self.sizes.verify_program(),
-            SubForward.DRAFT_EXTEND: self.sizes.draft_extend_program(),
-            SubForward.DECODE_CYCLE: self.cycle,
-        }
-        if self.draft_loop is not None:
-            self.programs[SubForward.DRAFT_LOOP] = self.draft_loop
         # Sub-forwards of the latest iteration: (kind, rows of every DP rank, local rows).
         self.trace: list[tuple[str, Optional[tuple[int, ...]], int]] = []
+        tiers_text = f", adaptive tiers {sorted(self.tiers)} (starting at {server_args.speculative_num_steps})" if len(tiers) > 1 else ""
         logger.info(
-            "Speculative decoding: %s, steps %d, topk %d, draft tokens %d",
-            server_args.speculative_algorithm, self.steps, self.topk, self.num_draft,
+            "Speculative decoding: %s, steps %d, topk %d, draft tokens %d%s",
+            server_args.speculative_algorithm, server_args.speculative_num_steps, self.topk,
+            server_args.speculative_num_draft_tokens, tiers_text,
         )
 
     # ------------------------------------------------------------------ worker interface
     def decode_kv_need_per_req(self) -> int:
+        """KV slots per request that any tier's cycle may take (the scheduler keeps them free
+        before the iteration's tier is known)."""
         return self.sizes.decode_kv_need_per_req
 
     def max_tokens_per_step(self) -> int:
-        return self.sizes.draft_extend_rows  # accepted drafts + the bonus token
+        """Most tokens a request's cycle in flight brings: accepted drafts + the bonus token."""
+        return self.launched_sizes.draft_extend_rows
 
     def add_request(self, req: Req) -> None:
         self.target.add_request(req)
@@ -178,14 +180,18 @@ class EAGLEWorker:
     def remove_request(self, req: Req) -> None:
         self.target.remove_request(req)
 
-    def launch(self, batch: ScheduleBatch, plan: Optional[GlobalPlan] = None) -> Union[LaunchedStep, LaunchedCycle]:
-        """Queues this iteration's phases (DP attention: those of every DP rank, from `plan`);
-        the batch's own phase does real work, the others run zero-row sub-forwards. A prefill
-        has its tokens at once; a decode cycle's tokens wait in the returned LaunchedCycle."""
+    def launch(
+        self, batch: ScheduleBatch, plan: Optional[GlobalPlan] = None, steps: Optional[int] = None
+    ) -> Union[LaunchedStep, LaunchedCycle]:
+        """Queues this iteration's phases (DP attention: those of every DP rank, from `plan`) at
+        the tier of `steps` (default: the largest; every rank passes the same); the batch's own
+        phase does real work, the others run zero-row sub-forwards. A prefill has its tokens at
+        once; a decode cycle's tokens wait in the returned LaunchedCycle."""
+        tier = self.tier(steps)
         if plan is None:
-            it = SpecIterationPlan.local(batch.mode, len(batch.input_ids), len(batch.reqs), self.sizes)
+            it = SpecIterationPlan.local(batch.mode, len(batch.input_ids), len(batch.reqs), tier.sizes)
         else:
-            it = SpecIterationPlan.from_global(plan, self.sizes)
+            it = SpecIterationPlan.from_global(plan, tier.sizes)
         self.trace = []
         step: Union[LaunchedStep, LaunchedCycle] = LaunchedStep(GenerationResult([], []))
         if batch.mode == ForwardMode.EXTEND:
@@ -198,13 +204,18 @@ class EAGLEWorker:
             self._idle(it, it.decode_phase())
         return step
 
-    def planned_sub_forwards(self, plan: GlobalPlan) -> list[tuple[str, tuple[int, ...]]]:
-        """(kind, rows of every DP rank) of each sub-forward an iteration with this plan runs."""
-        it = SpecIterationPlan.from_global(plan, self.sizes)
+    def tier(self, steps: Optional[int] = None) -> SpecTier:
+        """The tier of `steps` draft steps (default: the largest)."""
+        return self.tiers[self.sizes.steps if steps is None else steps]
+
+    def planned_sub_forwards(self, plan: GlobalPlan, steps: Optional[int] = None) -> list[tuple[str, tuple[int, ...]]]:
+        """(kind, rows of every DP rank) of each sub-forward an iteration with this plan runs at the tier of `steps`."""
+        it = SpecIterationPlan.from_global(plan, self.tier(steps).sizes)
         return [(kind.value, it.rows(kind)) for kind in it.sub_forwards()]
 
     def _forward(self, runner: ModelRunner, fb: ForwardBatch, kind: SubForward, it: SpecIterationPlan):
-        """Every sub-forward goes through here: sets its DP sizes and records it."""
+        """Every sub-forward goes through here: sets its DP sizes and tier, and records it."""
+        fb.spec_steps = it.sizes.steps
         fb.global_num_tokens = it.global_num_tokens(kind)
         if fb.global_num_tokens is not None:
             fb.global_forward_mode = _GLOBAL_MODE[kind]
@@ -215,10 +226,10 @@ class EAGLEWorker:
         if kind == SubForward.DECODE_CYCLE:  # its sub-forwards run inside the one program
             for sub in it.decode_phase():
                 dp_rows = it.global_num_tokens(sub)
-                self.trace.append((sub.value, dp_rows and tuple(dp_rows), fb.batch_size * self.sizes.tokens_per_req(sub)))
+                self.trace.append((sub.value, dp_rows and tuple(dp_rows), fb.batch_size * it.sizes.tokens_per_req(sub)))
         else:
             self.trace.append((kind.value, fb.global_num_tokens and tuple(fb.global_num_tokens), fb.num_tokens))
-        program = self.programs.get(kind)
+        program = self.tiers[it.sizes.steps].programs.get(kind)
         if program is not None:
             return runner.run_program(fb, program)
         return runner.forward(fb)
@@ -227,9 +238,10 @@ class EAGLEWorker:
         """Zero-row sub-forwards: this rank has no work in the phase but joins its collectives
         (and, with CUDA graphs, replays the same graph as the busy ranks: a masked sub-forward
         carries a zero-row mask of the busy ranks' tree width)."""
+        programs = self.tiers[it.sizes.steps].programs
         for kind in kinds:
             target, loop = kind in _TARGET_SUB_FORWARDS, kind == SubForward.DRAFT_LOOP
-            tree_cols = {SubForward.TARGET_VERIFY: self.num_draft, SubForward.DRAFT_LOOP: self.topk}.get(kind, 0)
+            tree_cols = {SubForward.TARGET_VERIFY: it.sizes.num_draft_tokens, SubForward.DRAFT_LOOP: self.topk}.get(kind, 0)
             runner = self.target.runner if target else self.draft_runner
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             hidden = torch.empty((0, self.hidden_size), dtype=runner.dtype, device=self.device)
@@ -246,7 +258,7 @@ class EAGLEWorker:
                 custom_mask=torch.zeros((0, tree_cols), dtype=torch.bool, device=self.device) if tree_cols else None,
                 spec_info=None if target else SpecInput(hidden, scores if loop else None),
                 # The programs return it (the loop feeds it on, the verify hands it on, the draft extend keeps it).
-                capture_hidden_mode=CaptureHiddenMode.FULL if kind in self.programs else CaptureHiddenMode.NULL,
+                capture_hidden_mode=CaptureHiddenMode.FULL if kind in programs else CaptureHiddenMode.NULL,
             )
             self._forward(runner, fb, kind, it)
 
@@ -295,19 +307,22 @@ class EAGLEWorker:
         rows); a greedy batch without penalties or per-token reads runs the whole cycle as
         one program (one graph), any other runs it sub-forward by sub-forward, accepting
         between verify and draft extend."""
-        reqs = batch.reqs
-        bs, width = len(reqs), self.sizes.tokens_per_req(SubForward.DECODE_CYCLE)
+        reqs, sizes = batch.reqs, it.sizes
+        bs, width = len(reqs), sizes.tokens_per_req(SubForward.DECODE_CYCLE)
         slots = self.kv.alloc(bs * width)
         rows, dev_slots = upload([[r.req_pool_idx for r in reqs]], self.device, tensors=[slots])
-        # A request whose previous cycle is in flight gained 1 .. steps + 1 KV positions in it.
-        host_kv = [r.kv_len + self.sizes.draft_extend_rows * r.in_flight for r in reqs]
+        # A request whose previous cycle is in flight gained 1 .. steps + 1 KV positions in it,
+        # at that cycle's tier.
+        host_kv = [r.kv_len + self.launched_sizes.draft_extend_rows * r.in_flight for r in reqs]
+        self.launched_sizes = sizes
         fb = cycle_batch(rows, dev_slots.view(bs, width), host_kv, not any(r.in_flight for r in reqs))
         if self._whole_cycle(reqs):
             reads = list(self._forward(self.draft_runner, fb, SubForward.DECODE_CYCLE, it))
         else:
             reads = []
-            self.cycle.run(fb, partial(self._sub_forward, it), partial(self._accept_on_host, reqs, reads))
-        return LaunchedCycle(reqs, slots.view(bs, width), HostCopy(*reads), self._result)
+            accept = partial(self._accept_on_host, sizes, reqs, reads)
+            self.tiers[sizes.steps].cycle.run(fb, partial(self._sub_forward, it), accept)
+        return LaunchedCycle(reqs, sizes, slots.view(bs, width), HostCopy(*reads), self._result)
 
     def _whole_cycle(self, reqs: list[Req]) -> bool:
         """Whether the verify's argmax decides the cycle and the host reads only its outcome."""
@@ -318,35 +333,36 @@ class EAGLEWorker:
         return self._forward(runner, fb, kind, it)
 
     def _accept_on_host(
-        self, reqs: list[Req], reads: list[torch.Tensor], cycle: CycleTensors, tree: DraftTree,
+        self, sizes: SpecSizes, reqs: list[Req], reads: list[torch.Tensor], cycle: CycleTensors, tree: DraftTree,
         node_tokens: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, outcome: VerifyOutcome,
     ) -> VerifyOutcome:
         """The outcome of a batch that samples or has penalties (from the verify logits; the
         greedy outcome otherwise), and what the host reads of the cycle into `reads`."""
         non_finite = non_finite_requests(logits, len(reqs)) if self.detect_nan else None
         if not _greedy_without_penalties(reqs):
-            logits, acceptance = self.accept(reqs, tree, node_tokens, logits, non_finite)
-            outcome = verify_outcome(acceptance, cycle.kv_len, cycle.slots[:, : self.num_draft], hidden)
+            logits, acceptance = self.accept(sizes, reqs, tree, node_tokens, logits, non_finite)
+            outcome = verify_outcome(acceptance, cycle.kv_len, cycle.slots[:, : sizes.num_draft_tokens], hidden)
         reads.append(outcome.host_reads)
         if non_finite is not None:
             reads.append(non_finite)
         if any(r.return_logprob for r in reqs):
-            reads += self._logprobs(reqs, logits, outcome.acceptance)
+            reads += self._logprobs(sizes, reqs, logits, outcome.acceptance)
         return outcome
 
     def accept(
-        self, reqs: list[Req], tree: DraftTree, node_tokens: torch.Tensor, logits: torch.Tensor,
+        self, sizes: SpecSizes, reqs: list[Req], tree: DraftTree, node_tokens: torch.Tensor, logits: torch.Tensor,
         non_finite: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Acceptance]:
-        """The verify logits after penalties and what they accept (greedy, or sampled).
-        non_finite [bs]: requests whose logits are zeroed first (their outcome is discarded),
-        so that sampling stays valid."""
+        """The verify logits after penalties and what they accept (greedy, or sampled), for a
+        cycle of the tier of `sizes`. non_finite [bs]: requests whose logits are zeroed first
+        (their outcome is discarded), so that sampling stays valid."""
+        n = sizes.num_draft_tokens
         if non_finite is not None:
-            logits = logits.masked_fill(non_finite.repeat_interleave(self.num_draft).view(-1, 1), 0.0)
+            logits = logits.masked_fill(non_finite.repeat_interleave(n).view(-1, 1), 0.0)
         info = SamplingBatchInfo.from_requests(  # one row per tree node
-            [r.sampling_params for r in reqs for _ in range(self.num_draft)],
-            [(r.origin_input_ids, r.output_ids) for r in reqs for _ in range(self.num_draft)],
-            [None] * (len(reqs) * self.num_draft),
+            [r.sampling_params for r in reqs for _ in range(n)],
+            [(r.origin_input_ids, r.output_ids) for r in reqs for _ in range(n)],
+            [None] * (len(reqs) * n),
             logits.shape[-1],
             self.device,
         )
@@ -354,19 +370,20 @@ class EAGLEWorker:
             info.count_more_outputs(path_token_counts(tree, logits.shape[-1]))
         logits = info.apply_penalties(logits)
         if info.all_greedy:
-            target_tokens = greedy_tokens(logits).view(len(reqs), self.num_draft)
-            return logits, greedy_accept(tree, node_tokens, target_tokens, self.sizes.draft_extend_rows)
-        return logits, self.sample_accept(reqs, tree, node_tokens, logits, info)
+            target_tokens = greedy_tokens(logits).view(len(reqs), n)
+            return logits, greedy_accept(tree, node_tokens, target_tokens, sizes.draft_extend_rows)
+        return logits, self.sample_accept(sizes, reqs, tree, node_tokens, logits, info)
 
     def sample_accept(
-        self, reqs: list[Req], tree: DraftTree, node_tokens: torch.Tensor, logits: torch.Tensor, info: SamplingBatchInfo
+        self, sizes: SpecSizes, reqs: list[Req], tree: DraftTree, node_tokens: torch.Tensor, logits: torch.Tensor,
+        info: SamplingBatchInfo,
     ) -> Acceptance:
         """Lossless tree sampling, walked on the host (two reads of the device)."""
         generators = [self.target.generators.get(r.rid) for r in reqs]
         draw = partial(Sampler._draw, generators=generators if any(generators) else None)
         probs = Sampler.filtered_probs(logits, info)
-        uniforms = self._uniforms(reqs, self.num_draft)
-        acceptance = sample_acceptance(probs, tree, node_tokens, uniforms, draw, self.sizes.draft_extend_rows)
+        uniforms = self._uniforms(reqs, sizes.num_draft_tokens)
+        acceptance = sample_acceptance(probs, tree, node_tokens, uniforms, draw, sizes.draft_extend_rows)
         group = get_attn_tp_group()
         if group is None or get_attn_tp_size() == 1:
             return acceptance
@@ -381,27 +398,31 @@ class EAGLEWorker:
                 u[b] = torch.rand(n, generator=gen, device=self.device)
         return u
 
-    def _logprobs(self, reqs: list[Req], logits: torch.Tensor, acceptance: Acceptance) -> list[torch.Tensor]:
+    def _logprobs(self, sizes: SpecSizes, reqs: list[Req], logits: torch.Tensor, acceptance: Acceptance) -> list[torch.Tensor]:
         """Logprob of each emitted token (padding columns too) under the target logits (after
         penalties) of its node, and the top logprobs when asked for: [bs * width (, top_n)]."""
-        rows = torch.arange(len(reqs), device=self.device).view(-1, 1) * self.num_draft + acceptance.nodes
+        rows = torch.arange(len(reqs), device=self.device).view(-1, 1) * sizes.num_draft_tokens + acceptance.nodes
         top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
         chosen, tops = token_logprobs(logits[rows.flatten()], acceptance.emitted.view(-1), top_n)
         return [chosen, *(tops or ())]
 
-    def _result(self, reqs: list[Req], slots: torch.Tensor, reads: tuple[torch.Tensor, ...]) -> GenerationResult:
-        """The cycle's tokens per request from what it read (host tensors); frees the nodes not
-        kept (all of a request that finished while the cycle was in flight: its tokens are dropped)."""
+    def _result(
+        self, sizes: SpecSizes, reqs: list[Req], slots: torch.Tensor, reads: tuple[torch.Tensor, ...]
+    ) -> GenerationResult:
+        """The tokens per request of a cycle of the tier of `sizes`, from what it read (host
+        tensors); frees the nodes not kept (all of a request that finished while the cycle was
+        in flight: its tokens are dropped)."""
         host_reads, *rest = reads
         rest = [t.tolist() for t in rest]
-        width = self.sizes.draft_extend_rows
+        width = sizes.draft_extend_rows
         rows = host_reads.tolist()  # per request: accept_len, nodes, emitted (VerifyOutcome.host_reads)
         accept_len, emitted = [row[0] for row in rows], [row[1 + width :] for row in rows]
-        self.kv.allocator.free(slots[~self._kept_nodes(reqs, host_reads[:, 1 : 1 + width])])
+        self.kv.allocator.free(slots[~self._kept_nodes(sizes, reqs, host_reads[:, 1 : 1 + width])])
         result = GenerationResult(
             next_token_ids=[emitted[b][: a + 1] for b, a in enumerate(accept_len)],
             kv_written=[a + 1 for a in accept_len],
             accepted_draft_tokens=list(accept_len),
+            draft_steps=sizes.steps,
         )
         if self.detect_nan:
             non_finite, *rest = rest
@@ -409,23 +430,24 @@ class EAGLEWorker:
                 if bad:  # --enable-nan-detection: the scheduler turns it into an error finish
                     result.next_token_ids[b] = [NAN_TOKEN_ID]
         if rest:
-            self._fill_logprobs(reqs, accept_len, emitted, rest, result)
+            self._fill_logprobs(width, reqs, accept_len, emitted, rest, result)
         return result
 
-    def _kept_nodes(self, reqs: list[Req], nodes: torch.Tensor) -> torch.Tensor:
+    def _kept_nodes(self, sizes: SpecSizes, reqs: list[Req], nodes: torch.Tensor) -> torch.Tensor:
         """[bs, cycle slots] bool (host): the cycle's slots a request keeps. nodes [bs, width]
         repeats the last kept node past accept_len; a finished request keeps none."""
-        keep = torch.zeros((len(reqs), self.sizes.decode_kv_need_per_req), dtype=torch.bool).scatter_(1, nodes, True)
+        keep = torch.zeros((len(reqs), sizes.decode_kv_need_per_req), dtype=torch.bool).scatter_(1, nodes, True)
         finished = [b for b, r in enumerate(reqs) if r.finished]
         if finished:
             keep[finished] = False
         return keep
 
     def _fill_logprobs(
-        self, reqs: list[Req], accept_len: list[int], emitted: list[list[int]], reads: list, result: GenerationResult
+        self, width: int, reqs: list[Req], accept_len: list[int], emitted: list[list[int]], reads: list,
+        result: GenerationResult,
     ) -> None:
+        """width: the cycle's emitted tokens per request (steps + 1, padding included)."""
         chosen, *tops = reads
-        width = self.sizes.draft_extend_rows
         result.logprobs, result.top_logprobs = [], []
         for b, req in enumerate(reqs):
             rows = range(b * width, b * width + accept_len[b] + 1)

@@ -11,7 +11,9 @@ Both follow from the iteration's one plan all-gather (GlobalPlan), on every rank
 
 A rank takes part in a phase it has no work for with zero-row (IDLE) sub-forwards. The draft
 extend after verify is padded to steps + 1 rows per request (accepted + 1 are real), so its
-size is known before acceptance and no extra agreement step is needed.
+size is known before acceptance and no extra agreement step is needed. With
+--speculative-adaptive, `steps` is the iteration's tier, decided from the same all-gather by
+every rank alike (speculative/adaptive.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
-from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, GraphProgram
+from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, GraphProgram, ModeKey
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.speculative.draft_extend_program import DraftExtendProgram
 from sglang.srt.speculative.verify_program import VerifyProgram
@@ -45,8 +47,14 @@ class SpecSizes:
     num_draft_tokens: int
 
     @classmethod
-    def from_server_args(cls, args) -> "SpecSizes":
-        return cls(args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
+    def tiers(cls, args) -> tuple["SpecSizes", ...]:
+        """The sizes of every tier, ascending by steps: the configured sizes alone, or with
+        --speculative-adaptive one chain per tier (num_draft_tokens = steps + 1). The last tier
+        is the largest in every size: it sizes the buffers, the request->token table and the
+        KV slots the scheduler keeps free."""
+        if not args.speculative_adaptive:
+            return (cls(args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens),)
+        return tuple(cls(steps, 1, steps + 1) for steps in args.speculative_tiers)
 
     @property
     def draft_extend_rows(self) -> int:
@@ -77,36 +85,40 @@ class SpecSizes:
 
     def captured_modes(
         self, is_draft: bool, draft_loop: Optional[GraphProgram] = None, decode_cycle: Optional[GraphProgram] = None
-    ) -> dict[ForwardMode, CapturedMode]:
-        """The sub-forwards a CUDA graph captures: target verify (with the greedy acceptance)
-        on the target; the whole draft loop (its first step's batch: topk tokens per request,
-        a topk-wide tree mask), the draft extend after verify, and the whole greedy cycle
-        (DECODE: its batch's table rows and KV slots) on the draft. A cycle consumes every
-        output before the next cycle replays the graph: no output copies."""
+    ) -> dict[ModeKey, CapturedMode]:
+        """The sub-forwards of this tier a CUDA graph captures (keyed with the tier's steps):
+        target verify (with the greedy acceptance) on the target; the whole draft loop (its
+        first step's batch: topk tokens per request, a topk-wide tree mask), the draft extend
+        after verify, and the whole greedy cycle (DECODE: its batch's table rows and KV slots)
+        on the draft. A cycle consumes every output before the next cycle replays the graph:
+        no output copies."""
         if not is_draft:
             n = self.num_draft_tokens
             return {
-                ForwardMode.TARGET_VERIFY: CapturedMode(
+                self.mode_key(ForwardMode.TARGET_VERIFY): CapturedMode(
                     n, (n,), CaptureHiddenMode.FULL, program=self.verify_program(), outputs_as_views=True
                 )
             }
         modes = {
-            ForwardMode.DRAFT_EXTEND: CapturedMode(
+            self.mode_key(ForwardMode.DRAFT_EXTEND): CapturedMode(
                 self.draft_extend_rows, capture_hidden=CaptureHiddenMode.LAST, draft_input=True, logits_at_rows=True,
                 program=self.draft_extend_program(), outputs_as_views=True,
             )
         }
         if self.steps > 1:
             assert draft_loop is not None, "a draft with draft steps captures its loop"
-            modes[ForwardMode.DRAFT_DECODE] = CapturedMode(
+            modes[self.mode_key(ForwardMode.DRAFT_DECODE)] = CapturedMode(
                 self.topk, (self.topk,), CaptureHiddenMode.FULL, draft_input=True, draft_scores=True, program=draft_loop,
                 outputs_as_views=True,
             )
         assert decode_cycle is not None, "a draft captures the whole decode cycle"
-        modes[ForwardMode.DECODE] = CapturedMode(
+        modes[self.mode_key(ForwardMode.DECODE)] = CapturedMode(
             self.decode_kv_need_per_req, slots_only=True, program=decode_cycle, outputs_as_views=True
         )
         return modes
+
+    def mode_key(self, mode: ForwardMode) -> ModeKey:
+        return ModeKey(mode, self.steps)
 
     def verify_program(self) -> VerifyProgram:
         return VerifyProgram(self.num_draft_tokens, self.draft_extend_rows, chain=self.topk == 1)

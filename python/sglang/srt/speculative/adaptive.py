@@ -1,0 +1,209 @@
+"""--speculative-adaptive: the tier (draft steps per cycle) each decode cycle runs at.
+
+Figures. Each rank keeps a window of its last `WINDOW_CYCLES` verify cycles and sums over
+their requests the drafts accepted (A) and the drafts rejected (R: a request whose chain
+stopped before its end rejected one draft; one that accepted its whole chain rejected none).
+Each draft position is a trial until the first rejection, so A / (A + R) estimates the chance
+that the draft's next token is accepted whatever tiers the window's cycles ran at. Under DP
+attention every rank puts its A and R into the iteration's plan all-gather (LocalPlan), so
+every rank sees every rank's figures, and the decode batch of every rank.
+
+Decision (`CostModel.decide`): with alpha = sum A / sum (A + R) over the DP ranks and b the
+largest DP rank's decode batch (the busiest rank sets the iteration's time),
+
+    tokens(s) = 1 + alpha + ... + alpha^s                  tokens per request of a cycle at s steps
+    cost(s)   = 1 + s * (draft_cost + verify_cost * b)     the cycle's time, in plain decode steps
+    goodput(s) = tokens(s) / cost(s)
+
+and the next cycle runs at the tier of the highest goodput, but leaves the current tier only
+when that beats the current tier's goodput by `switch_gain` and the current tier has run
+`min_dwell` cycles (hysteresis: no flapping between tiers of nearly equal goodput), and not
+before the window holds `min_trials` trials.
+
+Why every rank decides alike: the decision is a pure function of the tier state (the same on
+every rank: it starts the same and changes only by this function) and of integers that are the
+same on every rank (the all-gathered plan), computed in integer arithmetic, so no CPU or
+rounding difference can split the ranks. Ranks of one DP group without DP attention (TP
+only) hold the same batch and get the same accept lengths (the logits are gathered before the
+argmax; sampled acceptance is agreed from attention-TP rank 0), so their windows, and their
+decisions, are the same too.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from sglang.srt.distributed.scheduler_comm import GlobalPlan
+
+WINDOW_CYCLES = 16
+ALPHA_ONE = 1 << 20  # alpha = 1 in the decision's fixed-point arithmetic
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """One DP rank's figures for the decision: its window's accepted and rejected drafts, and
+    the requests it decodes this iteration (0: it prefills or idles)."""
+
+    accepted: int
+    rejected: int
+    decode_reqs: int
+
+
+def figures_of_plan(plan: GlobalPlan) -> list[RankFigures]:
+    """Every DP rank's figures from the iteration's plan (the same on every rank)."""
+    return [RankFigures(p.spec_accepted, p.spec_rejected, 0 if p.is_extend else p.num_reqs) for p in plan.per_rank]
+
+
+@dataclass(frozen=True)
+class TierState:
+    """What the decision remembers, the same on every rank."""
+
+    steps: int  # the tier the latest decode cycle ran at (before the first: the starting tier)
+    held: int = 0  # decode cycles run at it in a row
+    cycles: int = 0  # decode cycles since startup
+
+
+class TierPolicy(Protocol):
+    def decide(self, state: TierState, figures: Sequence[RankFigures]) -> int:
+        """The steps of the next decode cycle: a pure function of its arguments."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The goodput rule above, in integers: alpha in units of 1 / ALPHA_ONE, costs in percent of
+    a plain decode step of the target. The costs are fitted to the trained small DeepSeek-V3 on
+    one H200 (twelfth session of docs/benchmarks.md, 1/1/2 and 3/1/4 at concurrency 1 and 32):
+    one more draft position costs 17% of a plain step plus 1% per request."""
+
+    tiers: tuple[int, ...]
+    draft_cost_pct: int = 17
+    verify_cost_pct_per_req: int = 1
+    switch_gain_pct: int = 5
+    min_dwell: int = 8
+    min_trials: int = 8
+
+    def goodput(self, steps: int, alpha: int, batch: int) -> tuple[int, int]:
+        """(tokens in 1 / ALPHA_ONE, cost in percent) of a cycle at `steps`; goodput is their ratio."""
+        tokens, power = 0, ALPHA_ONE
+        for _ in range(steps + 1):
+            tokens += power
+            power = power * alpha // ALPHA_ONE
+        return tokens, 100 + steps * (self.draft_cost_pct + self.verify_cost_pct_per_req * batch)
+
+    def decide(self, state: TierState, figures: Sequence[RankFigures]) -> int:
+        accepted = sum(f.accepted for f in figures)
+        trials = accepted + sum(f.rejected for f in figures)
+        if trials < self.min_trials or state.held < self.min_dwell:
+            return state.steps
+        alpha, batch = accepted * ALPHA_ONE // trials, max(f.decode_reqs for f in figures)
+        scores = {s: self.goodput(s, alpha, batch) for s in self.tiers}
+        best = state.steps
+        for steps in self.tiers:  # a tie keeps the tier found first (the current one)
+            (tokens, cost), (best_tokens, best_cost) = scores[steps], scores[best]
+            if tokens * best_cost > best_tokens * cost:
+                best = steps
+        (tokens, cost), (current_tokens, current_cost) = scores[best], scores[state.steps]
+        if 100 * tokens * current_cost >= (100 + self.switch_gain_pct) * current_tokens * cost:
+            return best
+        return state.steps
+
+
+@dataclass(frozen=True)
+class FixedSchedule:
+    """--speculative-adaptive-schedule (testing): (steps, cycles) pairs, repeated, by the count
+    of decode cycles alone."""
+
+    pairs: tuple[tuple[int, int], ...]
+
+    def decide(self, state: TierState, figures: Sequence[RankFigures]) -> int:
+        position = state.cycles % sum(cycles for _, cycles in self.pairs)
+        for steps, cycles in self.pairs:
+            if position < cycles:
+                return steps
+            position -= cycles
+        raise AssertionError("unreachable: position < the schedule's length")
+
+
+@dataclass
+class TierCounts:
+    """Per tier: decode cycles, request-cycles (verifies) and tokens they emitted."""
+
+    cycles: dict[int, int] = field(default_factory=dict)
+    verifies: dict[int, int] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)
+
+    def add(self, steps: int, accepted: Sequence[int]) -> None:
+        self.cycles[steps] = self.cycles.get(steps, 0) + 1
+        self.verifies[steps] = self.verifies.get(steps, 0) + len(accepted)
+        self.tokens[steps] = self.tokens.get(steps, 0) + sum(accepted) + len(accepted)
+
+    def accept_lengths(self) -> dict[int, float]:
+        return {s: self.tokens[s] / self.verifies[s] for s in sorted(self.verifies) if self.verifies[s]}
+
+
+class AdaptiveTiers:
+    """One rank's side: its window of verify cycles (the figures it contributes), the tier
+    state (advanced by `next_tier`, on every rank with the same figures) and tier usage."""
+
+    def __init__(self, start: int, policy: TierPolicy, window_cycles: int = WINDOW_CYCLES):
+        self.start, self.policy = start, policy
+        self.window: deque[tuple[int, int]] = deque(maxlen=window_cycles)
+        self.state = TierState(start)
+        self.total, self.since_log = TierCounts(), TierCounts()
+
+    @classmethod
+    def from_server_args(cls, args) -> "AdaptiveTiers":
+        pairs = args.speculative_adaptive_schedule_pairs
+        policy: TierPolicy = FixedSchedule(tuple(pairs)) if pairs else CostModel(args.speculative_tiers)
+        return cls(args.speculative_num_steps, policy)
+
+    def reset(self) -> None:
+        """Back to the starting tier with an empty window and no usage (after a startup check)."""
+        self.window.clear()
+        self.state = TierState(self.start)
+        self.total, self.since_log = TierCounts(), TierCounts()
+
+    # ------------------------------------------------------------------ figures
+    def observe(self, steps: int, accepted: Sequence[int]) -> None:
+        """A verify cycle's outcome on this rank: the tier it ran at, drafts accepted per request."""
+        self.window.append((sum(accepted), sum(a < steps for a in accepted)))
+        for counts in (self.total, self.since_log):
+            counts.add(steps, accepted)
+
+    def window_figures(self) -> tuple[int, int]:
+        """(accepted, rejected) drafts over the window."""
+        return sum(a for a, _ in self.window), sum(r for _, r in self.window)
+
+    def local_figures(self, decode_reqs: int) -> list[RankFigures]:
+        """The figures of one DP group deciding alone (no DP attention)."""
+        return [RankFigures(*self.window_figures(), decode_reqs)]
+
+    # ------------------------------------------------------------------ decision
+    def preview(self, figures: Sequence[RankFigures]) -> int:
+        """The tier the next decode cycle runs at with these figures (nothing changes)."""
+        return self.policy.decide(self.state, figures) if any(f.decode_reqs for f in figures) else self.state.steps
+
+    def next_tier(self, figures: Sequence[RankFigures]) -> int:
+        """The tier of this iteration's decode cycle, which every rank runs (idle ranks with
+        zero rows), and the state after it; an iteration without decode cycles keeps the state."""
+        steps = self.preview(figures)
+        if any(f.decode_reqs for f in figures):
+            held = self.state.held + 1 if steps == self.state.steps else 1
+            self.state = TierState(steps, held, self.state.cycles + 1)
+        return steps
+
+    # ------------------------------------------------------------------ reports
+    def log_text(self) -> str:
+        """The decode log line's part: cycles per tier since the previous line."""
+        counts, self.since_log = self.since_log, TierCounts()
+        return "tier cycles: " + " ".join(f"{s}:{n}" for s, n in sorted(counts.cycles.items())) + ", "
+
+    def internal_state(self) -> dict:
+        """Since startup (JSON keys: the tiers' steps as strings)."""
+        return {
+            "spec_tier": self.state.steps,
+            "spec_tier_cycles": {str(s): n for s, n in sorted(self.total.cycles.items())},
+            "spec_tier_accept_length": {str(s): a for s, a in self.total.accept_lengths().items()},
+        }
