@@ -86,6 +86,20 @@ def test_dp_balance_gauges():
     assert s[("sglang:stalled_iteration_fraction", label)] == 0.1
 
 
+def test_adaptive_tier_gauges():
+    """--speculative-adaptive: the current tier, and cycles and accept length per tier (a label)."""
+    m = MetricsCollector("m")
+    state = {"dp_rank": 0, "spec_tier": 3, "spec_tier_cycles": {"1": 4, "3": 10}, "spec_tier_accept_length": {"1": 1.5, "3": 2.75}}
+    m.set_rank_states([state, {"dp_rank": 1}])  # rank 1 reports nothing of tiers
+    s = _samples(m)
+    rank0 = (("dp_rank", "0"), ("model_name", "m"))
+    assert s[("sglang:spec_tier", rank0)] == 3
+    assert s[("sglang:spec_tier_cycles", (("dp_rank", "0"), ("model_name", "m"), ("steps", "1")))] == 4
+    assert s[("sglang:spec_tier_cycles", (("dp_rank", "0"), ("model_name", "m"), ("steps", "3")))] == 10
+    assert s[("sglang:spec_tier_accept_length", (("dp_rank", "0"), ("model_name", "m"), ("steps", "3")))] == 2.75
+    assert not any(dict(labels).get("dp_rank") == "1" for name, labels in s if name.startswith("sglang:spec_tier"))
+
+
 def test_collectors_do_not_share_a_registry():
     a, b = MetricsCollector("m"), MetricsCollector("m")  # would raise on a shared registry
     a.num_requests.inc()

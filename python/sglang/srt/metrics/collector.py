@@ -3,7 +3,8 @@
 Two kinds of figures, with SGLang's metric names:
 - request figures (tokens, request count, TTFT, TPOT, end-to-end latency) are observed in
   the TokenizerManager process as outputs arrive, so they measure what clients see;
-- per-DP-rank gauges (running/queued requests, KV usage, accept length) are copied from the
+- per-DP-rank gauges (running/queued requests, KV usage, accept length, and with
+  --speculative-adaptive per tier: cycles and accept length) are copied from the
   schedulers' internal state when /metrics is scraped. Pull instead of push: it needs no
   new message or timer in the scheduler loop, costs nothing while nobody scrapes, and a
   scrape always sees the state of that moment (one control round-trip per scrape).
@@ -40,8 +41,8 @@ class MetricsCollector:
         def histogram(name: str, doc: str, buckets):
             return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**labels)
 
-        def rank_gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names + ["dp_rank"], registry=self.registry)
+        def rank_gauge(name: str, doc: str, per: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(name, doc, names + ["dp_rank", *per], registry=self.registry)
 
         self.prompt_tokens = counter("sglang:prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("sglang:generation_tokens", "Generated tokens of finished requests.")
@@ -59,6 +60,9 @@ class MetricsCollector:
         self.tokens_per_iteration = rank_gauge("sglang:tokens_per_iteration", "Mean rows a DP rank fed the model per busy iteration since startup.")
         self.dp_balance_ratio = rank_gauge("sglang:dp_balance_ratio", "DP attention: mean over largest per-rank rows, summed over iterations since startup (1 = even).")
         self.stalled_iteration_fraction = rank_gauge("sglang:stalled_iteration_fraction", "Share of iterations with running requests in which a DP rank ran no decode batch.")
+        self.spec_tier = rank_gauge("sglang:spec_tier", "--speculative-adaptive: draft steps of the latest decode cycle's tier.")
+        self.spec_tier_cycles = rank_gauge("sglang:spec_tier_cycles", "--speculative-adaptive: decode cycles a DP rank ran at each tier (steps) since startup.", ("steps",))
+        self.spec_tier_accept_length = rank_gauge("sglang:spec_tier_accept_length", "--speculative-adaptive: mean tokens per verify at each tier (steps) since startup.", ("steps",))
 
     def on_output(self, state: Any, meta: dict[str, Any], now: Optional[float] = None) -> None:
         """Observe one output of a request. `state` has `stream`, `created` and
@@ -93,12 +97,16 @@ class MetricsCollector:
                 self.tokens_per_iteration: s.get("tokens_per_iteration"),
                 self.dp_balance_ratio: s.get("balance_ratio"),
                 self.stalled_iteration_fraction: s.get("stalled_iteration_fraction"),
+                self.spec_tier: s.get("spec_tier"),
             }
             if "available_kv_tokens" in s:
                 figures[self.token_usage] = 1.0 - s["available_kv_tokens"] / max(s["max_total_num_tokens"], 1)
             for gauge, value in figures.items():
                 if value is not None:
                     gauge.labels(**rank).set(value)
+            for gauge, per_tier in ((self.spec_tier_cycles, "spec_tier_cycles"), (self.spec_tier_accept_length, "spec_tier_accept_length")):
+                for steps, value in s.get(per_tier, {}).items():
+                    gauge.labels(**rank, steps=steps).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,328 @@
+"""--speculative-adaptive (CPU, float32, tiny DeepSeek-V3 checkpoints with an MTP layer).
+
+- The decision (speculative/adaptive.py): deterministic, the same on every rank's view of the
+  plan all-gather whatever each rank's own figures, hysteresis (no flapping near a boundary,
+  a minimum dwell), the forced schedule counting decode cycles only.
+- One rank, tiers forced to change every few cycles (through the lowest, 1 step, and back),
+  overlapped: greedy tokens equal the non-speculative run (a draft that agrees with the
+  target on part of the tokens, so acceptance varies within each tier; the whole-cycle path
+  and the sub-forward path with logprobs), and after the tier changes the target and draft
+  KV of a request equal those of a fresh prefill of the same tokens (the draft KV is
+  refreshed by the draft extend at every tier, the lowest included).
+- An exact draft accepts steps + 1 in every cycle of every tier, also right after coming back
+  from the lowest tier: the accept length of a run that never left the tier.
+- `--tp-size 2 --dp-size 2 --enable-dp-attention` over HTTP (round robin, --debug-collectives,
+  forced tiers): greedy tokens equal the reference; tier usage in /get_server_info, /metrics and
+  the decode log line. With the decision itself (no forced schedule), in-process ranks whose
+  windows differ still take the same decisions, and switch tiers.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+import torch
+import torch.multiprocessing as mp
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.parallel_state import initialize_model_parallel
+from sglang.srt.distributed.scheduler_comm import GlobalPlan, LocalPlan
+from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+from sglang.srt.model_loader import get_model
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import PortArgs, ServerArgs
+from sglang.srt.speculative.adaptive import (
+    AdaptiveTiers,
+    CostModel,
+    FixedSchedule,
+    RankFigures,
+    TierState,
+    figures_of_plan,
+)
+from sglang.test.inprocess_scheduler import greedy, start_scheduler
+from sglang.test.model_harness import ModelHarness
+from sglang.test.server_utils import kill_server, popen_launch_server
+from sglang.test.spec_models import make_perfect_deepseek_v3
+from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
+
+TIERS = (1, 3, 5)
+# Tier changes every two or three cycles, through the lowest tier and back.
+SCHEDULE = "3:2,1:2,5:3,1:3"
+PROMPTS = [[5, 17, 42, 99, 7, 3, 150, 11, 12, 13, 14, 15, 16], [8, 9, 10], [100, 101, 102, 103, 104, 105, 106], [60, 61]]
+MAX_NEW = [31, 17, 24, 9]  # requests end at different cycles (and tiers)
+
+
+# ---- the decision (pure) -------------------------------------------------------------------
+
+
+def _figures(alpha: float, batch: int, trials: int = 1000) -> list[RankFigures]:
+    accepted = round(alpha * trials)
+    return [RankFigures(accepted, trials - accepted, batch)]
+
+
+def test_cost_model_picks_long_chains_for_good_drafts_and_small_batches():
+    model = CostModel(TIERS)
+    settled = TierState(3, held=100)
+    assert model.decide(settled, _figures(0.3, 1)) == 1  # poor draft: the shortest chain
+    assert model.decide(settled, _figures(0.95, 1)) == 5  # good draft, small batch: the longest
+    # The trained small DeepSeek's acceptance (0.71): 3 steps at batch 1, 1 step at batch 32.
+    assert model.decide(settled, _figures(0.71, 1)) == 3
+    assert model.decide(settled, _figures(0.71, 32)) == 1
+    # Fewer steps as the batch grows, never more.
+    for alpha in (0.5, 0.71, 0.8, 0.9):
+        picks = [model.decide(TierState(s, held=100), _figures(alpha, b)) for s in TIERS for b in (1, 4, 16, 64)]
+        for s in range(len(TIERS)):
+            by_batch = picks[4 * s : 4 * s + 4]
+            assert by_batch == sorted(by_batch, reverse=True), (alpha, by_batch)
+
+
+def test_cost_model_hysteresis():
+    model = CostModel(TIERS)
+    # Near the 1 / 3 boundary (alpha 0.71, batch 20) each tier keeps itself: switching would gain < 5%.
+    near = _figures(0.71, 20)
+    assert model.decide(TierState(1, held=100), near) == 1
+    assert model.decide(TierState(3, held=100), near) == 3
+    # Figures wobbling around the boundary do not make the tier flap.
+    rng = random.Random(0)
+    tiers = AdaptiveTiers(3, model)
+    chosen = [tiers.next_tier(_figures(0.71 + rng.uniform(-0.01, 0.01), 20)) for _ in range(400)]
+    assert chosen == [3] * 400
+    # A clear change switches, but only after the tier has run min_dwell cycles.
+    assert model.decide(TierState(3, held=model.min_dwell - 1), _figures(0.2, 1)) == 3
+    assert model.decide(TierState(3, held=model.min_dwell), _figures(0.2, 1)) == 1
+    # No decision before the window holds min_trials trials.
+    assert model.decide(TierState(3, held=100), _figures(0.0, 1, trials=model.min_trials - 1)) == 3
+
+
+def test_window_counts_rejections_per_chain():
+    """A request that accepted its whole chain rejected nothing; any other rejected one draft;
+    the window keeps the latest cycles only."""
+    tiers = AdaptiveTiers(3, CostModel(TIERS), window_cycles=2)
+    tiers.observe(3, [3, 0, 2])  # accepted 5; rejected 2 (the first accepted all 3)
+    assert tiers.window_figures() == (5, 2)
+    tiers.observe(1, [1, 1])
+    tiers.observe(5, [0])
+    assert tiers.window_figures() == (2, 1)  # the first cycle left the window
+    assert tiers.total.accept_lengths() == {1: 2.0, 3: 8 / 3, 5: 1.0}
+    assert tiers.internal_state()["spec_tier_cycles"] == {"1": 1, "3": 1, "5": 1}
+
+
+def _gathered(locals_: list[LocalPlan]) -> GlobalPlan:
+    """What SchedulerComm.gather_plan returns: every rank's packed ints, unpacked."""
+    return GlobalPlan(tuple(LocalPlan(*torch.tensor(p.pack(), dtype=torch.int64).tolist()) for p in locals_))
+
+
+def _chain(steps: int, skill: float, rng: random.Random) -> int:
+    """Drafts a chain of `steps` accepts when each is accepted with probability `skill`."""
+    accepted = 0
+    while accepted < steps and rng.random() < skill:
+        accepted += 1
+    return accepted
+
+
+def test_every_rank_decides_alike_from_the_plan():
+    """Four DP ranks, each with its own window (different acceptance), batches coming and going,
+    prefills mixed in: every rank takes the same decision every iteration from the gathered
+    plan, although the ranks' own figures alone would often have decided otherwise."""
+    rng = random.Random(1)
+    ranks = [AdaptiveTiers(5, CostModel(TIERS, min_dwell=3)) for _ in range(4)]
+    skill = [0.2, 0.6, 0.8, 0.95]  # each rank's draft acceptance
+    decisions, alone_differs = [], 0
+    for _ in range(300):
+        locals_ = []
+        for r, tiers in enumerate(ranks):
+            batch = rng.choice([0, 0, 1, 3, 8, 30])
+            extend = rng.random() < 0.1
+            accepted, rejected = tiers.window_figures()
+            locals_.append(LocalPlan(batch * 2, batch, int(extend), 1, accepted, rejected))
+        figures = figures_of_plan(_gathered(locals_))
+        alone = [t.preview(t.local_figures(f.decode_reqs)) for t, f in zip(ranks, figures)]
+        chosen = [t.next_tier(figures) for t in ranks]
+        assert len(set(chosen)) == 1, chosen
+        assert len({t.state for t in ranks}) == 1
+        alone_differs += any(a != chosen[0] for a, f in zip(alone, figures) if f.decode_reqs)
+        decisions.append(chosen[0])
+        for r, tiers in enumerate(ranks):  # each rank's cycle outcome: its own acceptance
+            if figures[r].decode_reqs:
+                tiers.observe(chosen[0], [_chain(chosen[0], skill[r], rng) for _ in range(figures[r].decode_reqs)])
+    assert len(set(decisions)) > 1 and alone_differs > 0
+
+
+def test_fixed_schedule_counts_decode_cycles_only():
+    tiers = AdaptiveTiers(3, FixedSchedule(((3, 2), (1, 1))))
+    idle = [RankFigures(0, 0, 0)]
+    busy = [RankFigures(0, 0, 2)]
+    steps = [tiers.next_tier(figures) for figures in [busy, idle, busy, busy, idle, busy, busy, busy]]
+    # Two cycles at 3, one at 1, again; an iteration without decode keeps the tier and the count.
+    assert steps == [3, 3, 3, 1, 1, 3, 3, 1]
+    assert tiers.state.cycles == 6
+
+
+# ---- one rank --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def partial_draft(tmp_path_factory) -> str:
+    """A DeepSeek-V3 whose MTP layer agrees with it on part of the tokens (accept ~2.5 of 4 at 3 steps)."""
+    return make_perfect_deepseek_v3(str(tmp_path_factory.mktemp("partial_v3")), draft_noise=0.04)
+
+
+def _reference(path: str, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
+    """Single-rank, non-speculative greedy tokens."""
+    initialize_model_parallel(1, 0)
+    config = ModelConfig(path, dtype="float32", device="cpu")
+    harness = ModelHarness(get_model(config, "auto", "cpu"), config, max_context_len=128)
+    outs = harness.greedy_generate(prompts, max(max_new))
+    return [out[:n] for out, n in zip(outs, max_new)]
+
+
+def _adaptive_args(path: str, start: int = 3, **extra) -> ServerArgs:
+    return ServerArgs(
+        model_path=path, device="cpu", dtype="float32", speculative_algorithm="NEXTN", speculative_adaptive=True,
+        speculative_adaptive_steps=",".join(map(str, TIERS)), speculative_num_steps=start, max_running_requests=8,
+        **extra,
+    )
+
+
+def _record_cycles(scheduler) -> list[tuple[int, list[int]]]:
+    """Every verify cycle this rank processes: (its tier's steps, drafts accepted per request)."""
+    cycles: list[tuple[int, list[int]]] = []
+    observe = scheduler.adaptive.observe
+
+    def recorded(steps: int, accepted: list[int]) -> None:
+        cycles.append((steps, list(accepted)))
+        observe(steps, accepted)
+
+    scheduler.adaptive.observe = recorded
+    return cycles
+
+
+def _draft_and_target_kv(scheduler, req, length: int) -> list[torch.Tensor]:
+    """The request's KV at positions 0 .. length-1, every target layer and the draft's."""
+    slots = scheduler.req_to_token_pool.req_to_token[req.req_pool_idx, :length]
+    pools = [scheduler.runner.kv_pool, scheduler.spec_worker.draft_runner.kv_pool]
+    return [layer[slots] for pool in pools for layer in pool.kv_buffer]
+
+
+def test_forced_tier_changes_keep_tokens_and_kv(partial_draft):
+    reference = _reference(partial_draft, PROMPTS, MAX_NEW)
+    scheduler = start_scheduler(_adaptive_args(partial_draft, speculative_adaptive_schedule=SCHEDULE, disable_radix_cache=True))
+    cycles = _record_cycles(scheduler)
+    assert greedy(scheduler, PROMPTS, MAX_NEW) == reference
+    tiers = [steps for steps, _ in cycles]
+    assert set(tiers) == set(TIERS) and any(a == 1 and b > 1 for a, b in zip(tiers, tiers[1:]))
+    accepted = {a for _, acc in cycles for a in acc}
+    assert 0 in accepted and len(accepted) > 2  # partial acceptance within the tiers
+    # The sub-forward path (logprobs: acceptance on the host) at every tier too.
+    assert greedy(scheduler, PROMPTS, MAX_NEW, return_logprob=True) == reference
+    assert scheduler.free_kv_tokens() == scheduler.allocator.size
+
+    # Mid-generation, after cycles at every tier: the request's target and draft KV equal a
+    # fresh prefill's of the same tokens.
+    params = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
+    scheduler.handle_message(TokenizedGenerateReqInput("long", None, PROMPTS[0], params))
+    end = scheduler.adaptive.state.cycles + 12  # past one whole period of the schedule
+    while scheduler.adaptive.state.cycles < end:
+        scheduler.run_iteration()
+    scheduler.finish_in_flight()
+    (req,) = scheduler.running
+    length = req.kv_len
+    decoded = _draft_and_target_kv(scheduler, req, length)
+    params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    scheduler.handle_message(TokenizedGenerateReqInput("fresh", None, req.all_ids[: length + 1], params))
+    scheduler.run_iteration()  # the fresh request's prefill alone
+    scheduler.finish_in_flight()
+    fresh = next(r for r in scheduler.running if r.rid == "fresh")
+    for got, want in zip(decoded, _draft_and_target_kv(scheduler, fresh, length)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_exact_draft_accepts_every_draft_at_every_tier(tmp_path):
+    """Right after the lowest tier, a tier accepts steps + 1 again: what a run that never left
+    it accepts (the exact draft's guesses and hidden states survive the tier changes)."""
+    target = make_perfect_deepseek_v3(str(tmp_path / "perfect"))
+    # Short stays: the exact draft's long cycles end the requests within a few periods.
+    scheduler = start_scheduler(_adaptive_args(target, speculative_adaptive_schedule="3:1,1:2,5:1,1:1"))
+    cycles = _record_cycles(scheduler)
+    assert greedy(scheduler, PROMPTS, MAX_NEW) == _reference(target, PROMPTS, MAX_NEW)
+    assert all(accepted == [steps] * len(accepted) for steps, accepted in cycles), cycles
+    tiers = [steps for steps, _ in cycles]
+    assert sum(a == 1 and b > 1 for a, b in zip(tiers, tiers[1:])) >= 2  # came back up from the lowest tier
+    assert scheduler.internal_state()["spec_tier_accept_length"] == {"1": 2.0, "3": 4.0, "5": 6.0}
+
+
+# ---- DP attention ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory) -> str:
+    return make_tiny_deepseek_v3(str(tmp_path_factory.mktemp("adaptive_v3")))
+
+
+def test_dp_attention_http_forced_tiers(deepseek):
+    reference = _reference(deepseek, PROMPTS, MAX_NEW)
+    args = ["--device", "cpu", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--speculative-algo", "NEXTN"]
+    args += ["--speculative-adaptive", "--speculative-adaptive-steps", "1,3,5", "--speculative-num-steps", "3"]
+    args += ["--speculative-adaptive-schedule", SCHEDULE, "--load-balance-method", "round_robin"]
+    args += ["--debug-collectives", "--decode-log-interval", "1", "--enable-metrics", "--chunked-prefill-size", "8"]
+    server = popen_launch_server(deepseek, args)
+    try:
+        body = {
+            "input_ids": PROMPTS,
+            "sampling_params": [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in MAX_NEW],
+        }
+        outs = requests.post(f"{server.base_url}/generate", json=body, timeout=300).json()
+        assert [o["output_ids"] for o in outs] == reference
+        states = requests.get(f"{server.base_url}/get_server_info", timeout=30).json()["internal_states"]
+        assert [s["dp_rank"] for s in states] == [0, 1]
+        for s in states:  # both ranks decoded at every tier
+            assert set(s["spec_tier_cycles"]) == {"1", "3", "5"} and s["spec_tier"] in TIERS
+            assert s["available_kv_tokens"] == s["max_total_num_tokens"]
+        metrics = requests.get(f"{server.base_url}/metrics", timeout=30).text
+        tier_cycles = {
+            (s.labels["dp_rank"], s.labels["steps"]): s.value
+            for family in text_string_to_metric_families(metrics)
+            for s in family.samples
+            if s.name == "sglang:spec_tier_cycles"
+        }
+        assert {key: int(n) for key, n in tier_cycles.items()} == {
+            (str(s["dp_rank"]), steps): n for s in states for steps, n in s["spec_tier_cycles"].items()
+        }
+        log = server.log_tail(400000)
+        for rank in (0, 1):
+            assert re.search(rf"DP{rank} TP{rank}\] Decode batch\. .*accept len: \d+\.\d\d, tier cycles: (\d:\d+ ?)+,", log), rank
+    finally:
+        kill_server(server)
+
+
+def _decide_main(rank: int, server_args: ServerArgs, port_args: PortArgs, prompts: list, max_new: list, results) -> None:
+    torch.set_num_threads(1)
+    scheduler = start_scheduler(server_args, rank, port_args)
+    scheduler.adaptive.policy = CostModel(TIERS, min_dwell=2)  # moves within a short run
+    tiers: list[int] = []
+    next_tier = scheduler.adaptive.next_tier
+
+    def recorded(figures):
+        tiers.append(next_tier(figures))
+        return tiers[-1]
+
+    scheduler.adaptive.next_tier = recorded
+    mine = slice(0, 2) if rank == 0 else slice(2, 4)  # rank 1's requests end sooner: it idles while rank 0 decodes
+    results[rank] = (greedy(scheduler, prompts[mine], max_new[mine]), tiers)
+
+
+@pytest.mark.timeout(300)
+def test_dp_attention_ranks_decide_alike(partial_draft):
+    """The decision itself under DP attention (its dwell shortened so that it moves within a
+    short run): from the largest tier it settles where the rule puts the draft's acceptance,
+    on both ranks at the same iterations, with tokens equal to the reference."""
+    server_args = _adaptive_args(partial_draft, start=5, tp_size=2, dp_size=2, enable_dp_attention=True, debug_collectives=True)
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_decide_main, args=(server_args, PortArgs.init_new(server_args), PROMPTS, MAX_NEW, results), nprocs=2)
+    assert results[0][0] + results[1][0] == _reference(partial_draft, PROMPTS, MAX_NEW)
+    assert results[0][1] == results[1][1]
+    assert results[0][1][0] == 5 and len(set(results[0][1])) > 1
