@@ -454,9 +454,10 @@ class _WorkAsGraph:
     """A CUDA graph's stand-in on CPU: replay() runs the captured work on the static inputs and
     leaves the outputs where a replayed graph would. Like a graph, it reads the weights at
     the addresses they had at capture: replacing a weight afterwards fails the replay.
-    Counts replays per mode."""
+    Counts replays per mode, and keeps the keys replayed."""
 
     replays: dict[ForwardMode, int] = {}
+    keys: set[GraphKey] = set()
 
     def __init__(self, graphs: CudaGraphRunner, key: GraphKey):
         self.graphs, self.key = graphs, key
@@ -470,6 +471,7 @@ class _WorkAsGraph:
             assert batch.extend_seq_lens.tolist() == [self.key.tokens_per_req] * self.key.batch_size, self.key
         self.graphs.run_into_outputs(batch, self.key)
         _WorkAsGraph.replays[self.key.mode] = _WorkAsGraph.replays.get(self.key.mode, 0) + 1
+        _WorkAsGraph.keys.add(self.key)
 
 
 def _emulated_capture(graphs: CudaGraphRunner) -> None:
@@ -573,6 +575,29 @@ def test_captured_work_matches_eager_spec(request, case, logprobs):
         assert eager_accept == 4.0
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
+def test_captured_work_matches_eager_adaptive(tmp_path):
+    """--speculative-adaptive with tiers forced to change every few cycles (1, 3 and 5 steps, a
+    draft that agrees with the target on part of the tokens): each tier's cycles go through
+    its own graphs (keys carry the tier), with the eager tokens and accept length; the graphs
+    hold no other tier's programs."""
+    from sglang.test.spec_models import make_perfect_deepseek_v3
+
+    path = make_perfect_deepseek_v3(str(tmp_path / "partial"), draft_noise=0.04)
+    spec = dict(
+        speculative_algorithm="NEXTN", speculative_adaptive=True, speculative_adaptive_steps="1,3,5",
+        speculative_num_steps=3, speculative_adaptive_schedule="3:2,1:2,5:2",
+    )
+    args = _spec_args(path, **spec)
+    eager_ids, eager_accept = _spec_greedy(args, False, SPEC_PROMPTS, SPEC_MAX_NEW)
+    _WorkAsGraph.replays, _WorkAsGraph.keys = {}, set()
+    graph_ids, graph_accept = _spec_greedy(args, True, SPEC_PROMPTS, SPEC_MAX_NEW)
+    assert graph_ids == eager_ids and graph_accept == eager_accept
+    assert {(k.mode, k.spec_steps, k.tokens_per_req) for k in _WorkAsGraph.keys} == {
+        (ForwardMode.DECODE, steps, steps + 1) for steps in (1, 3, 5)
+    }
+
+
 def _dp_spec_worker(rank: int, args: ServerArgs, port_args, results) -> None:
     torch.set_num_threads(1)
     # DP rank 0 decodes three requests; DP rank 1 one short request, then idles through the
@@ -602,3 +627,37 @@ def test_captured_work_matches_eager_spec_dp_attention(perfect_dsv3_dir):
     assert results[0][1] == results[1][1] == 4.0
     assert results[0][2] == ["DECODE"]
     assert results[1][2] == ["DECODE", "DRAFT_DECODE", "DRAFT_EXTEND", "TARGET_VERIFY"]
+
+
+def _dp_adaptive_worker(rank: int, args: ServerArgs, port_args, results) -> None:
+    torch.set_num_threads(1)
+    # As _dp_spec_worker: rank 1's one request ends early, then it idles through rank 0's cycles.
+    prompts, max_new = (SPEC_PROMPTS, [16, 4, 7]) if rank == 0 else ([[30, 31, 32, 33]], [3])
+    _WorkAsGraph.keys = set()
+    ids, _ = _spec_greedy(args, True, prompts, max_new, tp_rank=rank, port_args=port_args)
+    results[rank] = (ids, {(k.mode.name, k.spec_steps) for k in _WorkAsGraph.keys})
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
+def test_captured_work_matches_eager_adaptive_dp_attention(tmp_path):
+    """--speculative-adaptive under --tp 2 --dp 2 --enable-dp-attention, a tier change every
+    cycle: the busy rank replays each tier's whole-cycle graph and the idle rank the same
+    tier's sub-forward graphs (the tier is part of the key chosen from the plan), with the
+    single-rank tokens."""
+    import torch.multiprocessing as mp
+
+    from sglang.srt.server_args import PortArgs
+    from sglang.test.spec_models import make_perfect_deepseek_v3
+
+    path = make_perfect_deepseek_v3(str(tmp_path / "partial"), draft_noise=0.04)
+    single, _ = _spec_greedy(_spec_args(path), False, SPEC_PROMPTS + [[30, 31, 32, 33]], [16, 4, 7, 3])
+    args = _spec_args(
+        path, tp_size=2, dp_size=2, enable_dp_attention=True, speculative_algorithm="NEXTN", speculative_adaptive=True,
+        speculative_adaptive_steps="1,3,5", speculative_num_steps=3, speculative_adaptive_schedule="3:1,1:1,5:1",
+    )
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_dp_adaptive_worker, args=(args, PortArgs.init_new(args), results), nprocs=2)
+    assert results[0][0] == single[:3] and results[1][0] == single[3:]
+    assert results[0][1] == {("DECODE", steps) for steps in (1, 3, 5)}
+    assert results[1][1] >= {(mode, steps) for mode in ("TARGET_VERIFY", "DRAFT_EXTEND") for steps in (1, 3, 5)}
+    assert {steps for mode, steps in results[1][1] if mode == "DRAFT_DECODE"} == {3, 5}  # 1 step: no draft loop
