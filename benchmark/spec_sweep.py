@@ -2,30 +2,47 @@
 and a markdown table of accept length, throughput and the prefill batches the server ran.
 
     python benchmark/spec_sweep.py --model-path M --speculative-algorithm NEXTN \
-        --configs 1,1,2 3,1,4 5,1,6 3,4,8 --baseline \
+        --configs 1,1,2 3,1,4 5,1,6 3,4,8 adaptive:1,3,5 --baseline \
         --dataset-name file --dataset-path prompts.jsonl --num-prompts 32 --max-concurrency 1 \
         -- --cuda-graph-max-bs 32
 
---configs takes steps,topk,draft_tokens triples; --baseline adds a run without speculation
-(the speed-up column is relative to it); --concurrencies 1 32 runs the workload at each
-concurrency on the same server. Other flags before `--` describe the workload and
-are python -m sglang.bench_serving's; flags after `--` go to every server.
+--configs takes steps,topk,draft_tokens triples and `adaptive:STEPS` (a server with
+--speculative-adaptive over those tiers, e.g. adaptive:1,3,5; `adaptive` alone: the server's
+default tiers); --baseline adds a run without speculation (the speed-up column is relative to
+it); --concurrencies 1 32 runs the workload at each concurrency on the same server. The "vs
+best fixed" column is a row's throughput over the best fixed configuration's at the same
+concurrency, and "tier cycles" the decode cycles an adaptive server ran at each tier during
+the recorded pass (all DP ranks). Other flags before `--` describe the workload and are
+python -m sglang.bench_serving's; flags after `--` go to every server.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import requests
 
 from sglang.bench_serving import get_parser as bench_parser
 from sglang.bench_serving import run_benchmark
 from sglang.test.server_utils import kill_server, popen_launch_server
 
-Config = Optional[tuple[int, int, int]]  # (steps, topk, draft tokens); None: no speculation
+@dataclass(frozen=True)
+class Adaptive:
+    """--speculative-adaptive over these tiers (empty: the server's default tiers)."""
+
+    tiers: tuple[int, ...] = ()
 
 
-def parse_config(text: str) -> tuple[int, int, int]:
+# (steps, topk, draft tokens), or adaptive tiers; None: no speculation.
+Config = Optional[Union[tuple[int, int, int], Adaptive]]
+
+
+def parse_config(text: str) -> Union[tuple[int, int, int], Adaptive]:
+    if text == "adaptive" or text.startswith("adaptive:"):
+        return Adaptive(tuple(int(x) for x in text.removeprefix("adaptive").removeprefix(":").split(",") if x))
     steps, topk, draft = (int(x) for x in text.split(","))
     return steps, topk, draft
 
@@ -36,6 +53,9 @@ def server_flags(args: argparse.Namespace, config: Config) -> list[str]:
     flags = ["--speculative-algorithm", args.speculative_algorithm]
     if args.speculative_draft_model_path:
         flags += ["--speculative-draft-model-path", args.speculative_draft_model_path]
+    if isinstance(config, Adaptive):
+        tiers = ["--speculative-adaptive-steps", ",".join(map(str, config.tiers))] if config.tiers else []
+        return flags + ["--speculative-adaptive", *tiers]
     steps, topk, draft = config
     return flags + [
         "--speculative-num-steps", str(steps),
@@ -48,6 +68,16 @@ def count_prefill_batches(server_log: str) -> int:
     """The scheduler's "Prefill batch." log lines so far (every prefill stops the decoding batch)."""
     with open(server_log, errors="replace") as f:
         return sum("Prefill batch." in line for line in f)
+
+
+def tier_cycles(base_url: str) -> dict[int, int]:
+    """Decode cycles per tier since startup, summed over the DP ranks (empty unless adaptive)."""
+    states = requests.get(f"{base_url}/get_server_info", timeout=30).json()["internal_states"]
+    total: dict[int, int] = {}
+    for state in states:
+        for steps, cycles in state.get("spec_tier_cycles", {}).items():
+            total[int(steps)] = total.get(int(steps), 0) + cycles
+    return total
 
 
 def run_one(
@@ -63,30 +93,47 @@ def run_one(
             run_args = argparse.Namespace(**{**vars(bench_args), "base_url": server.base_url, "max_concurrency": concurrency, "flush_cache": True})
             for _ in range(args.warmup_passes):
                 run_benchmark(argparse.Namespace(**{**vars(run_args), "output_file": None}))
-            prefills_before = count_prefill_batches(server.log_path)
+            prefills_before, tiers_before = count_prefill_batches(server.log_path), tier_cycles(server.base_url)
             metrics = run_benchmark(run_args)
             metrics["prefill_batches"] = count_prefill_batches(server.log_path) - prefills_before
+            tiers = tier_cycles(server.base_url)
+            metrics["tier_cycles"] = {s: n - tiers_before.get(s, 0) for s, n in tiers.items()}
             rows.append((config, metrics))
         return rows
     finally:
         kill_server(server)
 
 
+def _ratio(value: float, base: Optional[float]) -> str:
+    return f"{value / base:.2f}x" if base else "-"
+
+
 def table(rows: list[tuple[Config, dict[str, Any]]]) -> str:
-    """Markdown; speed-up is output throughput over the baseline's at the same concurrency."""
+    """Markdown; speed-up is output throughput over the baseline's at the same concurrency, "vs
+    best fixed" over the best fixed (steps, topk, draft tokens) configuration's."""
     baseline = {m["max_concurrency"]: m["output_throughput"] for c, m in rows if c is None}
+    best_fixed: dict[Any, float] = {}
+    for config, m in rows:
+        if isinstance(config, tuple):
+            best_fixed[m["max_concurrency"]] = max(best_fixed.get(m["max_concurrency"], 0.0), m["output_throughput"])
     lines = [
-        "| steps | topk | draft tokens | concurrency | accept length | output tok/s | median TPOT (ms) | prefill batches | speed-up |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| steps | topk | draft tokens | concurrency | accept length | output tok/s | median TPOT (ms) | prefill batches "
+        "| speed-up | vs best fixed | tier cycles |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for config, m in rows:
-        steps, topk, draft = config or ("-", "-", "-")
+        if isinstance(config, Adaptive):
+            steps, topk, draft = f"adaptive {','.join(map(str, config.tiers)) or 'default'}", 1, "steps + 1"
+        else:
+            steps, topk, draft = config or ("-", "-", "-")
         accept = f"{m['accept_length']:.2f}" if m["accept_length"] is not None else "-"
-        base = baseline.get(m["max_concurrency"])
-        speedup = f"{m['output_throughput'] / base:.2f}x" if base else "-"
+        concurrency = m["max_concurrency"]
+        tiers = " ".join(f"{s}:{n}" for s, n in sorted(m.get("tier_cycles", {}).items())) or "-"
         lines.append(
-            f"| {steps} | {topk} | {draft} | {m['max_concurrency'] or '-'} | {accept} | {m['output_throughput']:.1f} | "
-            f"{m.get('median_tpot_ms', float('nan')):.2f} | {m.get('prefill_batches', '-')} | {speedup} |"
+            f"| {steps} | {topk} | {draft} | {concurrency or '-'} | {accept} | {m['output_throughput']:.1f} | "
+            f"{m.get('median_tpot_ms', float('nan')):.2f} | {m.get('prefill_batches', '-')} | "
+            f"{_ratio(m['output_throughput'], baseline.get(concurrency))} | "
+            f"{_ratio(m['output_throughput'], best_fixed.get(concurrency)) if config is not None else '-'} | {tiers} |"
         )
     return "\n".join(lines)
 
@@ -99,7 +146,7 @@ def main(argv: Optional[list[str]] = None) -> str:
     p.add_argument("--model-path", required=True)
     p.add_argument("--speculative-algorithm", choices=("EAGLE", "NEXTN"), required=True)
     p.add_argument("--speculative-draft-model-path")
-    p.add_argument("--configs", type=parse_config, nargs="+", required=True, help="steps,topk,draft_tokens ...")
+    p.add_argument("--configs", type=parse_config, nargs="+", required=True, help="steps,topk,draft_tokens ... and adaptive[:STEPS]")
     p.add_argument("--baseline", action="store_true", help="also run without speculation")
     p.add_argument("--concurrencies", type=int, nargs="+", help="run the workload at each of these --max-concurrency")
     p.add_argument("--launch-timeout", type=float, default=900.0)

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import csv
 import importlib.util
 import json
@@ -40,6 +42,7 @@ MMLU_ROWS = {
 def _load_script(relpath: str):
     spec = importlib.util.spec_from_file_location(os.path.basename(relpath)[:-3], os.path.join(REPO, relpath))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
     spec.loader.exec_module(module)
     return module
 
@@ -255,16 +258,26 @@ def test_bench_one_batch_on_tiny_llama(trained, tmp_path):
 def test_spec_sweep_table():
     sweep = _load_script("benchmark/spec_sweep.py")
     assert sweep.parse_config("3,4,8") == (3, 4, 8)
+    assert sweep.parse_config("adaptive:1,3,5") == sweep.Adaptive((1, 3, 5)) and sweep.parse_config("adaptive") == sweep.Adaptive()
+    args = argparse.Namespace(speculative_algorithm="NEXTN", speculative_draft_model_path=None)
+    assert sweep.server_flags(args, sweep.Adaptive((1, 3))) == [
+        "--speculative-algorithm", "NEXTN", "--speculative-adaptive", "--speculative-adaptive-steps", "1,3"
+    ]
+
     def row(accept, throughput, tpot, concurrency):
         return {"accept_length": accept, "output_throughput": throughput, "median_tpot_ms": tpot, "max_concurrency": concurrency}
 
     rows = [(None, row(None, 100.0, 10.0, 1)), (None, row(None, 900.0, 30.0, 32)),
-            ((3, 1, 4), row(2.5, 180.0, 5.5, 1)), ((3, 1, 4), row(2.5, 1350.0, 20.0, 32))]
+            ((3, 1, 4), row(2.5, 180.0, 5.5, 1)), ((3, 1, 4), row(2.5, 1350.0, 20.0, 32)),
+            ((1, 1, 2), row(1.7, 150.0, 6.0, 1)), (sweep.Adaptive((1, 3)), row(2.4, 171.0, 5.7, 1))]
     rows[3][1]["prefill_batches"] = 7
+    rows[5][1]["tier_cycles"] = {3: 40, 1: 2}
     lines = sweep.table(rows).splitlines()
-    assert lines[2] == "| - | - | - | 1 | - | 100.0 | 10.00 | - | 1.00x |"
-    assert lines[4] == "| 3 | 1 | 4 | 1 | 2.50 | 180.0 | 5.50 | - | 1.80x |"
-    assert lines[5] == "| 3 | 1 | 4 | 32 | 2.50 | 1350.0 | 20.00 | 7 | 1.50x |"
+    assert lines[2] == "| - | - | - | 1 | - | 100.0 | 10.00 | - | 1.00x | - | - |"
+    assert lines[4] == "| 3 | 1 | 4 | 1 | 2.50 | 180.0 | 5.50 | - | 1.80x | 1.00x | - |"
+    assert lines[5] == "| 3 | 1 | 4 | 32 | 2.50 | 1350.0 | 20.00 | 7 | 1.50x | 1.00x | - |"
+    assert lines[6] == "| 1 | 1 | 2 | 1 | 1.70 | 150.0 | 6.00 | - | 1.50x | 0.83x | - |"
+    assert lines[7] == "| adaptive 1,3 | 1 | steps + 1 | 1 | 2.40 | 171.0 | 5.70 | - | 1.71x | 0.95x | 1:2 3:40 |"
 
 
 def test_spec_sweep_counts_prefill_batches(tmp_path):

@@ -8,6 +8,8 @@ Checks (each prints JSON lines and appends them to $OUT/shared_gpu.jsonl):
 - exact: the tiny DeepSeek-V3 with MTP in float32, NEXTN chain (3/1/4) and tree (topk 4, 8
   draft tokens), eager and with CUDA graphs: 32 prompts of mixed lengths sent together and
   then staggered give the greedy tokens of the single-rank run without speculation;
+  `--specs adaptive`: --speculative-adaptive over 1, 3 and 5 steps with the tier forced to
+  change every few cycles (through 1 step and back), each tier with its own graphs;
 - perfect: a draft that reproduces its target accepts steps + 1 tokens on every DP rank,
   with graphs (per-rank accept length from /get_server_info and from the log);
 - idle: one request, so DP rank 1 has none for the whole run, yet replays its graphs;
@@ -49,6 +51,8 @@ SPECS = {
               "--speculative-num-draft-tokens", "4"],
     "tree": ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
              "--speculative-num-draft-tokens", "8"],
+    "adaptive": ["--speculative-algorithm", "NEXTN", "--speculative-adaptive", "--speculative-adaptive-steps", "1,3,5",
+                 "--speculative-num-steps", "3", "--speculative-adaptive-schedule", "3:2,1:2,5:3,1:3"],
 }
 # The idle and trained checks know which DP rank each request reaches.
 ROUND_ROBIN = ["--load-balance-method", "round_robin"]
@@ -89,8 +93,9 @@ def first_difference(together: list, staggered: list, reference: list, items: li
 
 def rank_states(url: str) -> list[dict]:
     states = requests.get(f"{url}/get_server_info", timeout=60).json()["internal_states"]
-    keep = ("dp_rank", "avg_spec_accept_length", "cuda_graph_replays", "num_running_reqs", "available_kv_tokens", "max_total_num_tokens")
-    return [{k: s.get(k) for k in keep} for s in states]
+    keep = ("dp_rank", "avg_spec_accept_length", "cuda_graph_replays", "num_running_reqs", "available_kv_tokens", "max_total_num_tokens",
+            "spec_tier_cycles", "cuda_graph_capture_mib")
+    return [{k: s.get(k) for k in keep if k in s} for s in states]
 
 
 class Server:
