@@ -119,3 +119,18 @@ def test_a_dp_rank_that_trails_fails_startup_on_every_rank(perfect_v3):
     results = _run_dp_ranks(perfect_v3, rank_1_accept=2.5)
     message = "--speculative-accept-check failed: DP1 eager: accept length 2.50 is more than 0.5 below the best rank's 4.00"
     assert results == {0: ("failed", message), 1: ("failed", message)}
+
+
+def test_adaptive_tiers_pass_the_check_and_start_afresh(perfect_v3, caplog):
+    """--speculative-adaptive with tiers forced to change: the check's passes (the plain one
+    included, which has no verify cycles) leave serving at the starting tier with no usage."""
+    caplog.set_level(logging.INFO, logger=accept_check.__name__)
+    args = ServerArgs(
+        model_path=perfect_v3, device="cpu", dtype="float32", speculative_algorithm="NEXTN", speculative_accept_check=True,
+        speculative_adaptive=True, speculative_adaptive_schedule="5:1,1:2",
+    )
+    scheduler = start_scheduler(args)
+    lines = [r.getMessage() for r in caplog.records if r.name == accept_check.__name__]
+    assert len(lines) == 1 and lines[0].endswith("outputs match the non-speculative path"), lines
+    state = scheduler.internal_state()
+    assert state["spec_tier"] == 5 and state["spec_tier_cycles"] == {} and scheduler.adaptive.state.cycles == 0

@@ -494,7 +494,7 @@ class Scheduler:
             self.log_prefill(batch)
             self.running += [r for r in batch.reqs if r.output_ids and r is not self.chunked_req and not r.finished and r not in self.running]
         elif batch.mode == ForwardMode.DECODE:
-            if self.adaptive is not None:
+            if self.adaptive is not None and result.draft_steps is not None:  # a verify cycle
                 self.adaptive.observe(result.draft_steps, result.accepted_draft_tokens)
             self.log_decode(batch, result)
         out = []

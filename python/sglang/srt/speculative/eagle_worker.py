@@ -157,11 +157,11 @@ class EAGLEWorker:
         )
         # Sub-forwards of the latest iteration: (kind, rows of every DP rank, local rows).
         self.trace: list[tuple[str, Optional[tuple[int, ...]], int]] = []
-        tiers_text = f", adaptive tiers {sorted(self.tiers)} (starting at {server_args.speculative_num_steps})" if len(tiers) > 1 else ""
         logger.info(
             "Speculative decoding: %s, steps %d, topk %d, draft tokens %d%s",
             server_args.speculative_algorithm, server_args.speculative_num_steps, self.topk,
-            server_args.speculative_num_draft_tokens, tiers_text,
+            server_args.speculative_num_draft_tokens,
+            f", adaptive over the tiers of {sorted(self.tiers)} steps" if len(self.tiers) > 1 else "",
         )
 
     # ------------------------------------------------------------------ worker interface
@@ -209,7 +209,8 @@ class EAGLEWorker:
         return self.tiers[self.sizes.steps if steps is None else steps]
 
     def planned_sub_forwards(self, plan: GlobalPlan, steps: Optional[int] = None) -> list[tuple[str, tuple[int, ...]]]:
-        """(kind, rows of every DP rank) of each sub-forward an iteration with this plan runs at the tier of `steps`."""
+        """(kind, rows of every DP rank) of each sub-forward an iteration with this plan runs (at
+        the tier of `steps`)."""
         it = SpecIterationPlan.from_global(plan, self.tier(steps).sizes)
         return [(kind.value, it.rows(kind)) for kind in it.sub_forwards()]
 
@@ -398,7 +399,9 @@ class EAGLEWorker:
                 u[b] = torch.rand(n, generator=gen, device=self.device)
         return u
 
-    def _logprobs(self, sizes: SpecSizes, reqs: list[Req], logits: torch.Tensor, acceptance: Acceptance) -> list[torch.Tensor]:
+    def _logprobs(
+        self, sizes: SpecSizes, reqs: list[Req], logits: torch.Tensor, acceptance: Acceptance
+    ) -> list[torch.Tensor]:
         """Logprob of each emitted token (padding columns too) under the target logits (after
         penalties) of its node, and the top logprobs when asked for: [bs * width (, top_n)]."""
         rows = torch.arange(len(reqs), device=self.device).view(-1, 1) * sizes.num_draft_tokens + acceptance.nodes
