@@ -188,8 +188,8 @@ def test_next_cycle_is_queued_before_the_tokens_of_this_one_are_read(perfect_pai
     events: list[str] = []
     launch, resolve = scheduler.worker.launch, LaunchedCycle.resolve
 
-    def traced_launch(batch, plan=None):
-        step = launch(batch, plan)
+    def traced_launch(batch, *plan_and_tier):
+        step = launch(batch, *plan_and_tier)
         events.append(f"launch {batch.mode.name}")
         return step
 
