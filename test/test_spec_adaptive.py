@@ -13,8 +13,9 @@
   from the lowest tier: the accept length of a run that never left the tier.
 - `--tp-size 2 --dp-size 2 --enable-dp-attention` over HTTP (round robin, --debug-collectives,
   forced tiers): greedy tokens equal the reference; tier usage in /get_server_info, /metrics and
-  the decode log line. With the decision itself (no forced schedule), in-process ranks whose
-  windows differ still take the same decisions, and switch tiers.
+  the decode log line. With the decision itself (no forced schedule), two in-process ranks take
+  the same tier at every iteration and switch tiers: DP attention ranks (whose windows differ)
+  from the plan, TP ranks of one DP group from their own windows.
 """
 
 from __future__ import annotations
@@ -300,6 +301,9 @@ def test_dp_attention_http_forced_tiers(deepseek):
 
 
 def _decide_main(rank: int, server_args: ServerArgs, port_args: PortArgs, prompts: list, max_new: list, results) -> None:
+    """A rank's greedy tokens and the tier of each of its iterations. Under DP attention the
+    ranks get different requests (rank 1's end sooner: it idles while rank 0 decodes); TP
+    ranks of one DP group get the same."""
     torch.set_num_threads(1)
     scheduler = start_scheduler(server_args, rank, port_args)
     scheduler.adaptive.policy = CostModel(TIERS, min_dwell=2)  # moves within a short run
@@ -311,18 +315,23 @@ def _decide_main(rank: int, server_args: ServerArgs, port_args: PortArgs, prompt
         return tiers[-1]
 
     scheduler.adaptive.next_tier = recorded
-    mine = slice(0, 2) if rank == 0 else slice(2, 4)  # rank 1's requests end sooner: it idles while rank 0 decodes
+    mine = slice(2 * rank, 2 * rank + 2) if server_args.enable_dp_attention else slice(None)
     results[rank] = (greedy(scheduler, prompts[mine], max_new[mine]), tiers)
 
 
 @pytest.mark.timeout(300)
-def test_dp_attention_ranks_decide_alike(partial_draft):
-    """The decision itself under DP attention (its dwell shortened so that it moves within a
-    short run): from the largest tier it settles where the rule puts the draft's acceptance,
-    on both ranks at the same iterations, with tokens equal to the reference."""
-    server_args = _adaptive_args(partial_draft, start=5, tp_size=2, dp_size=2, enable_dp_attention=True, debug_collectives=True)
+@pytest.mark.parametrize("parallel", ["dp_attention", "tp"])
+def test_ranks_decide_alike(partial_draft, parallel):
+    """The decision itself (its dwell shortened so that it moves within a short run), from the
+    largest tier: under DP attention from both ranks' figures in the plan, under TP alone from
+    each rank's own window (the same requests, the same acceptance). Both ranks take the same
+    tier at every iteration (--debug-collectives also compares what their collectives moved),
+    it moves, and the tokens equal the reference."""
+    dp = dict(dp_size=2, enable_dp_attention=True) if parallel == "dp_attention" else {}
+    server_args = _adaptive_args(partial_draft, start=5, tp_size=2, debug_collectives=True, **dp)
     results = mp.get_context("spawn").Manager().dict()
     mp.spawn(_decide_main, args=(server_args, PortArgs.init_new(server_args), PROMPTS, MAX_NEW, results), nprocs=2)
-    assert results[0][0] + results[1][0] == _reference(partial_draft, PROMPTS, MAX_NEW)
+    reference = _reference(partial_draft, PROMPTS, MAX_NEW)
+    assert results[0][0] + results[1][0] == reference if dp else results[0][0] == results[1][0] == reference
     assert results[0][1] == results[1][1]
     assert results[0][1][0] == 5 and len(set(results[0][1])) > 1
