@@ -220,6 +220,9 @@ def test_forced_tier_changes_keep_tokens_and_kv(partial_draft):
     assert 0 in accepted and len(accepted) > 2  # partial acceptance within the tiers
     # The sub-forward path (logprobs: acceptance on the host) at every tier too.
     assert greedy(scheduler, PROMPTS, MAX_NEW, return_logprob=True) == reference
+    # Sampling with penalties (the tree walk on the host, sequential scheduling) runs at every tier.
+    sampled = greedy(scheduler, PROMPTS, MAX_NEW, temperature=0.8, frequency_penalty=0.5)
+    assert [len(ids) for ids in sampled] == MAX_NEW
     assert scheduler.free_kv_tokens() == scheduler.allocator.size
 
     # Mid-generation, after cycles at every tier: the request's target and draft KV equal a
