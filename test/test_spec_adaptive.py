@@ -139,7 +139,10 @@ def test_every_rank_decides_alike_from_the_plan():
             batch = rng.choice([0, 0, 1, 3, 8, 30])
             extend = rng.random() < 0.1
             accepted, rejected = tiers.window_figures()
-            locals_.append(LocalPlan(batch * 2, batch, int(extend), 1, accepted, rejected))
+            locals_.append(
+                LocalPlan(num_tokens=batch * 2, num_reqs=batch, is_extend=int(extend), has_work=1,
+                          spec_accepted=accepted, spec_rejected=rejected)
+            )
         figures = figures_of_plan(_gathered(locals_))
         alone = [t.preview(t.local_figures(f.decode_reqs)) for t, f in zip(ranks, figures)]
         chosen = [t.next_tier(figures) for t in ranks]
