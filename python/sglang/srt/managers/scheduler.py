@@ -253,7 +253,8 @@ class Scheduler:
         (and, with speculation, the phases and sizes of every sub-forward, see spec_plan.py).
         A rank without work runs an IDLE batch so that each collective is issued everywhere."""
         self.forward_started_at = time.monotonic()
-        accepted, rejected = self.adaptive.window_figures() if self.adaptive else (0, 0)
+        # A rank without running requests has no recent acceptance to report (its window may be old).
+        accepted, rejected = self.adaptive.window_figures() if self.adaptive and self.running else (0, 0)
         local = LocalPlan(
             num_tokens=len(batch.input_ids) if batch else 0,
             num_reqs=len(batch.reqs) if batch else 0,

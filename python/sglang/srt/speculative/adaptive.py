@@ -5,8 +5,9 @@ their requests the drafts accepted (A) and the drafts rejected (R: a request who
 stopped before its end rejected one draft; one that accepted its whole chain rejected none).
 Each draft position is a trial until the first rejection, so A / (A + R) estimates the chance
 that the draft's next token is accepted whatever tiers the window's cycles ran at. Under DP
-attention every rank puts its A and R into the iteration's plan all-gather (LocalPlan), so
-every rank sees every rank's figures, and the decode batch of every rank.
+attention every rank puts its A and R into the iteration's plan all-gather (LocalPlan; zeros
+while it has no running requests), so every rank sees every rank's figures, and the decode
+batch of every rank.
 
 Decision (`CostModel.decide`): with alpha = sum A / sum (A + R) over the DP ranks and b the
 largest DP rank's decode batch (the busiest rank sets the iteration's time),
