@@ -75,7 +75,7 @@ class TierPolicy(Protocol):
 class CostModel:
     """The goodput rule above, in integers: alpha in units of 1 / ALPHA_ONE, costs in percent of
     a plain decode step of the target. The costs are fitted to the trained small DeepSeek-V3 on
-    one H200 (twelfth session of docs/benchmarks.md, 1/1/2 and 3/1/4 at concurrency 1 and 32):
+    one H200 (docs/benchmarks.md, "speculation pays at concurrency 32": 1/1/2 and 3/1/4 at concurrency 1 and 32):
     one more draft position costs 17% of a plain step plus 1% per request."""
 
     tiers: tuple[int, ...]
