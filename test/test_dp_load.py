@@ -138,11 +138,7 @@ def test_tp2_dp2_requests_follow_the_load(tiny_llama_dir, method, expected):
     server = popen_launch_server(tiny_llama_dir, args + ["--load-balance-method", method, "--skip-server-warmup"])
     try:
         url = server.base_url
-
-        def generate(prompt, max_new):
-            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
-            return requests.post(f"{url}/generate", json=body, timeout=300).json()
-
+        generate = lambda prompt, max_new: _generate(url, prompt, max_new)  # noqa: E731
         long = threading.Thread(target=generate, args=([5, 6, 7, 8], 400))
         long.start()
         deadline = time.monotonic() + 60
@@ -165,6 +161,11 @@ def test_tp2_dp2_requests_follow_the_load(tiny_llama_dir, method, expected):
         assert states[0]["balance_ratio"] == states[1]["balance_ratio"]  # both read the same plans
     finally:
         kill_server(server)
+
+
+def _generate(url: str, prompt: list[int], max_new: int) -> dict:
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+    return requests.post(f"{url}/generate", json=body, timeout=300).json()
 
 
 def _internal_states(url: str) -> list[dict]:
@@ -226,11 +227,7 @@ def test_tp2_dp2_prefill_waits_for_alignment(tiny_llama_dir):
     server = popen_launch_server(tiny_llama_dir, args + ["--load-balance-method", "round_robin", "--dp-prefill-align-iters", "6"])
     try:
         url = server.base_url
-
-        def generate(prompt, max_new):
-            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
-            return requests.post(f"{url}/generate", json=body, timeout=300).json()["output_ids"]
-
+        generate = lambda prompt, max_new: _generate(url, prompt, max_new)["output_ids"]  # noqa: E731
         long = threading.Thread(target=generate, args=([5, 6, 7, 8], 300))
         long.start()
         deadline = time.monotonic() + 60
