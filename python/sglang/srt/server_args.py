@@ -26,7 +26,7 @@ ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "gguf")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
-# Features whose flags parse today but whose implementation lands in a later issue.
+# Flags that parse but whose feature this engine does not implement: a clear error at startup.
 # Each entry: (predicate on ServerArgs, message).
 _NOT_SUPPORTED_YET: list[tuple[typing.Callable[["ServerArgs"], bool], str]] = []
 

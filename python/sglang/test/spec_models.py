@@ -3,7 +3,7 @@
 - make_eagle_head: a random EAGLE head (LlamaForCausalLMEagle format, see models/llama_eagle.py)
   for a tiny Llama target.
 - make_perfect_llama_pair / make_perfect_deepseek_v3: a target whose next token depends on the
-  current token alone, and a draft that reproduces it exactly (DESIGN.md §9): one decoder
+  current token alone, and a draft that reproduces it exactly: one decoder
   layer with a zero attention output projection, embedding rows of +-1 entries (RMS exactly
   1, so an RMSNorm with unit weight and a negligible eps is the identity on them), and a draft
   that feeds the embedding through [I | 0] into a copy of the target's layer, norm and head.

@@ -240,13 +240,3 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return _state.tp.all_reduce(x)
 
 
-def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    return _state.tp.all_gather(x, dim)
-
-
-def attn_tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    return _state.attn_tp.all_reduce(x)
-
-
-def attn_tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    return _state.attn_tp.all_gather(x, dim)

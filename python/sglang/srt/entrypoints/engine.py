@@ -1,8 +1,8 @@
 """The offline Engine, and the process launch shared with the HTTP server.
 
-Processes (DESIGN.md §2): this process runs the TokenizerManager; the scheduler side
-(scheduler ranks, or later a DataParallelController in front of them) and the
-DetokenizerManager are spawned children that die with this process.
+Processes: this process runs the TokenizerManager; the scheduler side
+(the scheduler ranks, with a DataParallelController in front of them when --dp-size > 1)
+and the DetokenizerManager are spawned children that die with this process.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ def gathered_buffer_rows(
     chunked_prefill_size: Optional[int],
     dp_size: int,
 ) -> int:
-    """Rows of the gathered buffer (DESIGN.md §6).
+    """Rows of the gathered buffer.
 
     tokens_per_request = max(num_draft_tokens, topk, steps + 1, 1) over the enabled features
     (1 without speculation); chunked_prefill_size is the largest extend a rank runs (None or

@@ -162,9 +162,6 @@ class TpModelWorker:
     def remove_request(self, req: Req) -> None:
         self.generators.pop(req.rid, None)
 
-    def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationResult:
-        return self.launch(batch).resolve()
-
     def launch(self, batch: ScheduleBatch) -> LaunchedStep:
         """Queue the forward and the sampling without waiting for the device."""
         if batch.mode == ForwardMode.DECODE:

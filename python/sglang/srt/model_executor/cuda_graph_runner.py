@@ -1,4 +1,4 @@
-"""CUDA graphs for fixed-shape forwards (DESIGN.md §8).
+"""CUDA graphs for fixed-shape forwards.
 
 One runner per ModelRunner. A graph is keyed by a frozen `GraphKey` (mode, padded per-rank
 batch size, tokens per request, tree width, speculative tier) and replays the attention-metadata build *and* the model

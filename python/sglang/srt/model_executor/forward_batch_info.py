@@ -94,10 +94,6 @@ class ForwardBatch:
         """Every token writes one KV slot (a padded one the dummy slot)."""
         return int(self.out_cache_loc.shape[0])
 
-    @property
-    def prefix_lens_cpu(self) -> list[int]:
-        return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_seq_lens_cpu)]
-
     def last_token_indices(self) -> torch.Tensor:
         """Row of each request's last new token in the flattened token dimension."""
         return torch.cumsum(self.extend_seq_lens, 0) - 1

@@ -1,7 +1,7 @@
 """One speculative decode cycle's device work: draft loop, target verify, draft extend.
 
 A cycle starts from a *cycle batch*: per request its table row and the KV slots the cycle
-may write (`SpecSizes.cycle_slots_per_req` of them: the verify's nodes use the first
+may write (`SpecSizes.decode_kv_need_per_req` of them: the verify's nodes use the first
 num_draft_tokens, the draft steps' scratch the first (steps - 1) * topk, in the same table
 columns L, L + 1, ... after the request's KV length L). Everything else (L, the last token,
 the draft's guesses and hidden state) comes from the request states on the device, so the
@@ -52,7 +52,7 @@ class CycleTensors:
     rows: torch.Tensor  # [bs] table rows
     kv_len: torch.Tensor  # [bs] L
     roots: torch.Tensor  # [bs] the last tokens (verify tree roots)
-    slots: torch.Tensor  # [bs, cycle_slots_per_req]
+    slots: torch.Tensor  # [bs, decode_kv_need_per_req]
     host_kv_len: list[int]
     host_lens_exact: bool
     dp_reqs: Optional[list[int]]  # DP attention: requests of every DP rank in this cycle
@@ -183,7 +183,7 @@ class DecodeCycle:
 
 
 def cycle_batch(rows: torch.Tensor, slots: torch.Tensor, host_kv_len: list[int], host_lens_exact: bool) -> ForwardBatch:
-    """The batch a cycle starts from: rows [bs] and slots [bs, cycle_slots_per_req] on the
+    """The batch a cycle starts from: rows [bs] and slots [bs, decode_kv_need_per_req] on the
     device. It carries no tokens, positions or device lengths (the cycle reads those from the
     request states), only the host's KV lengths."""
     empty = rows[:0]

@@ -1,4 +1,4 @@
-"""EAGLE / NextN speculative decoding worker (DESIGN.md §7).
+"""EAGLE / NextN speculative decoding worker.
 
 Plugs in where the scheduler would use a TpModelWorker. Per decode cycle, for every request
 with seq_len L (target and draft KV at positions 0..L-2, last token x_{L-1} not written):
