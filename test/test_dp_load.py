@@ -139,12 +139,7 @@ def test_tp2_dp2_requests_follow_the_load(tiny_llama_dir, method, expected):
     try:
         url = server.base_url
         generate = lambda prompt, max_new: _generate(url, prompt, max_new)  # noqa: E731
-        long = threading.Thread(target=generate, args=([5, 6, 7, 8], 400))
-        long.start()
-        deadline = time.monotonic() + 60
-        while sum(s["num_running_reqs"] for s in _internal_states(url)) == 0:
-            assert time.monotonic() < deadline, "the long request never started"
-            time.sleep(0.05)
+        long = _start_long_request(url, 400)
         shorts = [threading.Thread(target=generate, args=([10 + i, 11, 12], 4)) for i in range(3)]
         for t in shorts:
             t.start()
@@ -166,6 +161,17 @@ def test_tp2_dp2_requests_follow_the_load(tiny_llama_dir, method, expected):
 def _generate(url: str, prompt: list[int], max_new: int) -> dict:
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
     return requests.post(f"{url}/generate", json=body, timeout=300).json()
+
+
+def _start_long_request(url: str, max_new: int) -> threading.Thread:
+    """A request of max_new tokens on a thread, returned once a DP rank runs it."""
+    long = threading.Thread(target=_generate, args=(url, [5, 6, 7, 8], max_new))
+    long.start()
+    deadline = time.monotonic() + 60
+    while sum(s["num_running_reqs"] for s in _internal_states(url)) == 0:
+        assert time.monotonic() < deadline, "the long request never started"
+        time.sleep(0.05)
+    return long
 
 
 def _internal_states(url: str) -> list[dict]:
@@ -228,12 +234,7 @@ def test_tp2_dp2_prefill_waits_for_alignment(tiny_llama_dir):
     try:
         url = server.base_url
         generate = lambda prompt, max_new: _generate(url, prompt, max_new)["output_ids"]  # noqa: E731
-        long = threading.Thread(target=generate, args=([5, 6, 7, 8], 300))
-        long.start()
-        deadline = time.monotonic() + 60
-        while sum(s["num_running_reqs"] for s in _internal_states(url)) == 0:
-            assert time.monotonic() < deadline, "the long request never started"
-            time.sleep(0.05)
+        long = _start_long_request(url, 300)
         held = generate([10, 11, 12], 5)  # round robin: DP rank 1
         waits = [s["prefill_wait_iterations"] for s in _internal_states(url)]
         long.join(300)
