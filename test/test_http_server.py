@@ -13,12 +13,13 @@ import shutil
 import time
 
 import pytest
+import zmq
 from fastapi.testclient import TestClient
 
 from sglang.srt.entrypoints.http_server import create_app
 from sglang.srt.entrypoints.openai.serving_base import sse_response
 from sglang.srt.managers.detokenizer_manager import IncrementalDetokenizer, trim_matched_stop
-from sglang.srt.managers.io_struct import SchedulerReady
+from sglang.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut, SchedulerReady
 from sglang.srt.managers.tokenizer_manager import GenerateReqInput, TokenizerManager, hold_back_partial_stop
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.test.byte_tokenizer import make_byte_tokenizer
@@ -430,6 +431,35 @@ def test_dead_backend_fails_requests_with_503():
         asyncio.run(scenario(tm))
 
 
+def test_outputs_queued_while_the_loop_was_busy_leave_as_one_chunk():
+    """The TokenizerManager handles every detokenizer message already queued before a
+    consumer runs: a stream that fell behind sends what gathered as one chunk."""
+
+    async def scenario(tm, fake) -> dict:
+        outputs = tm.generate_request(GenerateReqInput(text="hi", stream=True, sampling_params={"max_new_tokens": 10}))
+        first = asyncio.ensure_future(outputs.__anext__())
+        while not fake.received:
+            await asyncio.sleep(0.01)
+        rid = fake.received[0].rid
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(fake.port_args.tokenizer_ipc_name)
+        for n, piece in enumerate("abcde"):
+            push.send_pyobj(BatchStrOut(
+                rids=[rid], output_strs=[piece], output_ids=[[97 + n]], output_offsets=[n], finished_reasons=[None],
+                prompt_tokens=[1], completion_tokens=[n + 1], cached_tokens=[0],
+            ))
+        time.sleep(0.2)  # the event loop is blocked meanwhile: all five messages are queued
+        chunk = await first
+        push.close(linger=0)
+        await outputs.aclose()
+        return chunk
+
+    with fake_backend() as (tm, fake):
+        fake.hold = True
+        chunk = asyncio.run(scenario(tm, fake))
+    assert chunk["text"] == "abcde" and chunk["output_ids"] == [97, 98, 99, 100, 101]
+
+
 # ---------------------------------------------------------------------- detokenizer
 def test_incremental_detokenizer_matches_full_decode():
     tok = make_byte_tokenizer()
@@ -445,6 +475,39 @@ def test_incremental_detokenizer_matches_full_decode():
     # The finish message brings the last (stop) id and the whole text.
     assert detok.step("r", [tok.eos_token_id], len(ids), {"type": "stop", "matched": tok.eos_token_id}) == text
     assert "r" not in detok.states  # finished requests are forgotten
+
+
+def test_batched_detokenization_equals_one_request_at_a_time():
+    """handle() decodes a message's windows together: per request, the same texts as
+    decoding each request alone, with both special-token options in one message, and through
+    the one-by-one path of a tokenizer that cleans up tokenization spaces."""
+    tok = make_byte_tokenizer()
+    texts = ["añb 世界 🙂 end", "plain ascii words", "🙂🙂 x", "a<|im_end|>b c"]
+    seqs = [tok.encode(t, add_special_tokens=False) for t in texts]
+    skips = [True, False, True, False]
+    for clean_up in (False, True):
+        tok.clean_up_tokenization_spaces = clean_up
+        batched, alone = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
+        assert (batched.decoder.backend is None) == clean_up
+        got = {i: "" for i in range(len(seqs))}
+        want = {i: "" for i in range(len(seqs))}
+        for n in range(max(len(x) for x in seqs)):
+            live = [i for i, x in enumerate(seqs) if n < len(x)]
+            finished = [{"type": "length"} if n == len(seqs[i]) - 1 else None for i in live]
+            out = batched.handle(BatchTokenIDOut(
+                rids=[str(i) for i in live], output_ids=[seqs[i][n : n + 1] for i in live], output_offsets=[n] * len(live),
+                finished_reasons=finished, prompt_tokens=[1] * len(live), completion_tokens=[n + 1] * len(live),
+                cached_tokens=[0] * len(live), skip_special_tokens=[skips[i] for i in live],
+                spaces_between_special_tokens=[True] * len(live), no_stop_trim=[False] * len(live),
+                output_token_logprobs=[None] * len(live), output_top_logprobs=[None] * len(live), spec_verify_ct=[0] * len(live),
+            ))
+            for k, i in enumerate(live):
+                piece = alone.step(str(i), seqs[i][n : n + 1], n, finished[k], skips[i])
+                got[i] = out.output_strs[k] if finished[k] else got[i] + out.output_strs[k]
+                want[i] = piece if finished[k] else want[i] + piece
+        assert got == want
+        assert got[3] == tok.decode(seqs[3], skip_special_tokens=False) and got[2] == texts[2]
+        assert not batched.states
 
 
 def test_detokenizer_stop_handling():

@@ -54,6 +54,8 @@ _SEND_TIMEOUT_MS = 5000
 # How often a request with nothing sent yet checks whether its HTTP client went away.
 _DISCONNECT_POLL_S = 0.25
 _CONTROL_TIMEOUT_S = 60.0
+# Detokenizer messages handled in one go before the consumers run (bounds the pause they see).
+_MAX_DRAINED = 64
 # Texts longer than this many characters are tokenized off the event loop.
 _INLINE_TOKENIZE_CHARS = 16384
 
@@ -548,13 +550,29 @@ class TokenizerManager:
 
     async def _handle_loop(self) -> None:
         while True:
-            recv = await self.recv_from_detokenizer.recv_pyobj()
-            if isinstance(recv, BatchStrOut):
-                self._handle_batch_str_out(recv)
-            elif type(recv) in self._collectors:
-                self._collectors[type(recv)].add(recv)
-            else:
-                logger.error("TokenizerManager got an unknown message: %r", type(recv))
+            for recv in await self._recv_queued():
+                self._handle_message(recv)
+
+    async def _recv_queued(self) -> list[Any]:
+        """The next message and every one queued behind it (up to _MAX_DRAINED). All of them
+        are handled before any consumer runs, so a consumer that fell behind the schedulers
+        takes the outputs gathered meanwhile as one chunk: under load the HTTP process writes
+        fewer, larger chunks instead of falling further behind."""
+        msgs = [await self.recv_from_detokenizer.recv_pyobj()]
+        while len(msgs) < _MAX_DRAINED:
+            try:
+                msgs.append(await self.recv_from_detokenizer.recv_pyobj(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        return msgs
+
+    def _handle_message(self, recv: Any) -> None:
+        if isinstance(recv, BatchStrOut):
+            self._handle_batch_str_out(recv)
+        elif type(recv) in self._collectors:
+            self._collectors[type(recv)].add(recv)
+        else:
+            logger.error("TokenizerManager got an unknown message: %r", type(recv))
 
     def _handle_batch_str_out(self, recv: BatchStrOut) -> None:
         for i, rid in enumerate(recv.rids):
