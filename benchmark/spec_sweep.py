@@ -12,8 +12,11 @@ default tiers); --baseline adds a run without speculation (the speed-up column i
 it); --concurrencies 1 32 runs the workload at each concurrency on the same server. The "vs
 best fixed" column is a row's throughput over the best fixed configuration's at the same
 concurrency, and "tier cycles" the decode cycles an adaptive server ran at each tier during
-the recorded pass (all DP ranks). Other flags before `--` describe the workload and are
-python -m sglang.bench_serving's; flags after `--` go to every server.
+the recorded pass (all DP ranks). --recorded-passes N records the workload N times per
+concurrency and reports the pass of median throughput, with the range of all N beside it: at
+high concurrency one pass's throughput moves with how many prefill batches its arrivals made.
+Other flags before `--` describe the workload and are python -m sglang.bench_serving's; flags
+after `--` go to every server.
 """
 
 from __future__ import annotations
@@ -84,8 +87,8 @@ def run_one(
     args: argparse.Namespace, bench_args: argparse.Namespace, server_argv: list[str], config: Config
 ) -> list[tuple[Config, dict[str, Any]]]:
     """One server with `config`; per concurrency the workload --warmup-passes times unrecorded (every
-    kernel variant its batches need compiles outside the measurement), then once recorded; the
-    cache is flushed before each pass."""
+    kernel variant its batches need compiles outside the measurement), then --recorded-passes
+    times recorded; the cache is flushed before each pass."""
     server = popen_launch_server(args.model_path, [*server_flags(args, config), *server_argv], timeout=args.launch_timeout)
     try:
         rows = []
@@ -93,15 +96,27 @@ def run_one(
             run_args = argparse.Namespace(**{**vars(bench_args), "base_url": server.base_url, "max_concurrency": concurrency, "flush_cache": True})
             for _ in range(args.warmup_passes):
                 run_benchmark(argparse.Namespace(**{**vars(run_args), "output_file": None}))
-            prefills_before, tiers_before = count_prefill_batches(server.log_path), tier_cycles(server.base_url)
-            metrics = run_benchmark(run_args)
-            metrics["prefill_batches"] = count_prefill_batches(server.log_path) - prefills_before
-            tiers = tier_cycles(server.base_url)
-            metrics["tier_cycles"] = {s: n - tiers_before.get(s, 0) for s, n in tiers.items()}
-            rows.append((config, metrics))
+            rows.append((config, median_pass([recorded_pass(server, run_args) for _ in range(args.recorded_passes)])))
         return rows
     finally:
         kill_server(server)
+
+
+def recorded_pass(server, run_args: argparse.Namespace) -> dict[str, Any]:
+    """One recorded run of the workload, with the prefill batches and tier cycles it caused."""
+    prefills_before, tiers_before = count_prefill_batches(server.log_path), tier_cycles(server.base_url)
+    metrics = run_benchmark(run_args)
+    metrics["prefill_batches"] = count_prefill_batches(server.log_path) - prefills_before
+    tiers = tier_cycles(server.base_url)
+    metrics["tier_cycles"] = {s: n - tiers_before.get(s, 0) for s, n in tiers.items()}
+    return metrics
+
+
+def median_pass(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The pass of median output throughput (the lower middle one of an even count), with every
+    pass's throughput under "pass_throughputs"."""
+    ranked = sorted(passes, key=lambda m: m["output_throughput"])
+    return {**ranked[(len(ranked) - 1) // 2], "pass_throughputs": [m["output_throughput"] for m in passes]}
 
 
 def _ratio(value: float, base: Optional[float]) -> str:
@@ -129,8 +144,10 @@ def table(rows: list[tuple[Config, dict[str, Any]]]) -> str:
         accept = f"{m['accept_length']:.2f}" if m["accept_length"] is not None else "-"
         concurrency = m["max_concurrency"]
         tiers = " ".join(f"{s}:{n}" for s, n in sorted(m.get("tier_cycles", {}).items())) or "-"
+        passes = m.get("pass_throughputs", [])
+        spread = f" ({min(passes):.0f}-{max(passes):.0f})" if len(passes) > 1 else ""
         lines.append(
-            f"| {steps} | {topk} | {draft} | {concurrency or '-'} | {accept} | {m['output_throughput']:.1f} | "
+            f"| {steps} | {topk} | {draft} | {concurrency or '-'} | {accept} | {m['output_throughput']:.1f}{spread} | "
             f"{m.get('median_tpot_ms', float('nan')):.2f} | {m.get('prefill_batches', '-')} | "
             f"{_ratio(m['output_throughput'], baseline.get(concurrency))} | "
             f"{_ratio(m['output_throughput'], best_fixed.get(concurrency)) if config is not None else '-'} | {tiers} |"
@@ -150,8 +167,11 @@ def main(argv: Optional[list[str]] = None) -> str:
     p.add_argument("--baseline", action="store_true", help="also run without speculation")
     p.add_argument("--concurrencies", type=int, nargs="+", help="run the workload at each of these --max-concurrency")
     p.add_argument("--launch-timeout", type=float, default=900.0)
-    p.add_argument("--warmup-passes", type=int, default=1, help="unrecorded runs of the workload before each recorded one")
+    p.add_argument("--warmup-passes", type=int, default=1, help="unrecorded runs of the workload before the recorded ones")
+    p.add_argument("--recorded-passes", type=int, default=1, help="recorded runs per concurrency; the median one is reported")
     args, bench_argv = p.parse_known_args(argv)
+    if args.recorded_passes < 1:
+        p.error(f"--recorded-passes must be at least 1, got {args.recorded_passes}")
     bench_args = bench_parser().parse_args(bench_argv)
     configs: list[Config] = ([None] if args.baseline else []) + list(args.configs)
     rows = [row for config in configs for row in run_one(args, bench_args, server_argv, config)]

@@ -280,6 +280,18 @@ def test_spec_sweep_table():
     assert lines[7] == "| adaptive 1,3 | 1 | steps + 1 | 1 | 2.40 | 171.0 | 5.70 | - | 1.71x | 0.95x | 1:2 3:40 |"
 
 
+def test_spec_sweep_reports_the_median_pass():
+    sweep = _load_script("benchmark/spec_sweep.py")
+    passes = [{"output_throughput": t, "prefill_batches": p} for t, p in [(900.0, 9), (1200.0, 5), (1000.0, 7), (800.0, 11)]]
+    median = sweep.median_pass(passes)
+    assert median["output_throughput"] == 900.0 and median["prefill_batches"] == 9  # lower middle of four
+    assert median["pass_throughputs"] == [900.0, 1200.0, 1000.0, 800.0]
+    row = {**sweep.median_pass(passes[:3]), "accept_length": 1.7, "median_tpot_ms": 1.0, "max_concurrency": 32}
+    assert sweep.table([((1, 1, 2), row)]).splitlines()[2] == "| 1 | 1 | 2 | 32 | 1.70 | 1000.0 (900-1200) | 1.00 | 7 | - | 1.00x | - |"
+    with pytest.raises(SystemExit):
+        sweep.main(["--model-path", "m", "--speculative-algorithm", "NEXTN", "--configs", "1,1,2", "--recorded-passes", "0"])
+
+
 def test_spec_sweep_counts_prefill_batches(tmp_path):
     sweep = _load_script("benchmark/spec_sweep.py")
     log = tmp_path / "server.log"
