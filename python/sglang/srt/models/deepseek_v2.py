@@ -36,12 +36,12 @@ from sglang.srt.layers.linear import (
     linear,
     stack_rows,
 )
-from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.radix_attention import RadixAttention, rope_stores_kv
 from sglang.srt.layers.rotary_embedding import get_rope, get_rope_params, yarn_get_mscale
-from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+from sglang.srt.models.causal_lm import CausalLM, DecoderModel
 from sglang.srt.models.decoder_layer import PreNormDecoderLayer
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import default_weight_loader
@@ -271,7 +271,9 @@ class DeepseekV2DecoderLayer(PreNormDecoderLayer):
         return super().mlp_after_attention(attn_out, residual, forward_batch)
 
 
-class DeepseekV2Model(nn.Module):
+class DeepseekV2Model(DecoderModel):
+    """Its final-norm hidden states are also what the NextN draft consumes."""
+
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group=get_attn_tp())
@@ -279,23 +281,6 @@ class DeepseekV2Model(nn.Module):
             DeepseekV2DecoderLayer(config, i, is_moe_layer(config, i)) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        input_embeds: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Final-norm hidden states [T, hidden] (also what the NextN draft consumes)."""
-        hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
-        if residual is None:
-            return self.norm(hidden_states)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
 
 def load_deepseek_weights(
@@ -340,28 +325,9 @@ def load_deepseek_weights(
         raise ValueError(f"checkpoint is missing parameters: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     def __init__(self, config: PretrainedConfig):
-        super().__init__()
-        self.config = config
-        self.model = DeepseekV2Model(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group=get_attn_tp())
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        input_embeds: Optional[torch.Tensor] = None,
-    ) -> LogitsProcessorOutput:
-        hidden_states = self.model(input_ids, positions, forward_batch, input_embeds)
-        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
-
-    def get_embed_and_head(self) -> tuple[nn.Parameter, nn.Parameter]:
-        """The embedding and LM head parameters, for a draft model to share (no copy)."""
-        return self.model.embed_tokens.weight, self.lm_head.weight
+        super().__init__(config, DeepseekV2Model(config))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names; the MTP layer (index num_hidden_layers and above) belongs to the draft."""
