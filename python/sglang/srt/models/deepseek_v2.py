@@ -26,7 +26,6 @@ from transformers import PretrainedConfig
 
 from sglang.srt.distributed.parallel_state import get_attn_tp, tensor_model_parallel_all_reduce
 from sglang.srt.kernels.moe.routing_config import RoutingConfig
-from sglang.srt.layers.deepseek_rotary import mla_rope_pack
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
@@ -37,10 +36,9 @@ from sglang.srt.layers.linear import (
     stack_rows,
 )
 from sglang.srt.layers.moe.fused_moe import FusedMoE
-from sglang.srt.layers.radix_attention import RadixAttention, rope_stores_kv
+from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import get_rope, get_rope_params, yarn_get_mscale
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.models.causal_lm import CausalLM, DecoderModel
 from sglang.srt.models.decoder_layer import PreNormDecoderLayer
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -238,15 +236,9 @@ class DeepseekV2Attention(nn.Module):
         # the rope step norms the raw latent (kv_a_layernorm) on its way to k.
         q_full = q.new_empty((num_tokens, self.num_heads, self.kv_lora_rank + self.qk_rope_head_dim))
         head_matmul(q_nope, w_uk, q_full[..., : self.kv_lora_rank])
-        if rope_stores_kv(q_full, forward_batch, MLATokenToKVPool):
-            kv_store = (forward_batch.token_to_kv_pool.get_kv_buffer(self.attn.layer_id), forward_batch.out_cache_loc)
-            mla_rope_pack(self.rotary_emb, positions, q_pe, k_pe, latent, q_full, kv_store, self.kv_a_layernorm)
-            o_latent = self.attn(q_full.flatten(1), None, None, forward_batch)  # the latent is read from the pool
-        else:
-            k_full = mla_rope_pack(  # [T, L + R], as pooled
-                self.rotary_emb, positions, q_pe, k_pe, latent, q_full, latent_norm=self.kv_a_layernorm
-            )
-            o_latent = self.attn(q_full.flatten(1), k_full, k_full[:, : self.kv_lora_rank], forward_batch)
+        o_latent = self.attn.forward_mla_rope(
+            self.rotary_emb, positions, q_pe, k_pe, latent, self.kv_a_layernorm, q_full, forward_batch
+        )
         o_latent = o_latent.view(num_tokens, self.num_heads, self.kv_lora_rank)
         o = o_latent.new_empty((num_tokens, self.num_heads, self.v_head_dim))
         head_matmul(o_latent, w_uv.transpose(1, 2), o)  # [T, H, v]

@@ -16,12 +16,11 @@ from transformers import PretrainedConfig
 from sglang.srt.distributed.parallel_state import get_attn_tp
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from sglang.srt.layers.radix_attention import RadixAttention, rope_stores_kv
+from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import get_rope, get_rope_params
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.models.causal_lm import CausalLM, DecoderModel
 from sglang.srt.models.decoder_layer import PreNormDecoderLayer
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import load_weights_into
 
@@ -67,12 +66,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if rope_stores_kv(q, forward_batch, MHATokenToKVPool):
-            k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
-            q = self.rotary_emb.forward_store_kv(positions, q, k, v, k_buf, v_buf, forward_batch.out_cache_loc)
-            return self.o_proj(self.attn(q, None, None, forward_batch))  # attention reads k and v from the pool
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+        return self.o_proj(self.attn.forward_rope(self.rotary_emb, positions, q, k, v, forward_batch))
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
