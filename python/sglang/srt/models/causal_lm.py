@@ -1,13 +1,14 @@
 """What every model class shares: a decoder stack and an LM head over it.
 
-`DecoderModel` is the embedding -> pre-norm decoder layers -> final norm stack;
-`CausalLM` puts the LM head and the logits processor on any decoder `model` that maps
+`DecoderModel` is the embedding -> pre-norm decoder layers -> final norm stack and
+`DraftModel` a speculative draft's one step; `CausalLM` puts the LM head and the logits processor on any decoder `model` that maps
 (input_ids, positions, forward_batch, input_embeds) to final-norm hidden states [T, hidden]
 and holds its embedding as `model.embed_tokens`.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Optional
 
 import torch
@@ -15,18 +16,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from sglang.srt.distributed.parallel_state import get_attn_tp
+from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-
-
-def draft_inputs(
-    embed_tokens: nn.Module, input_ids: torch.Tensor, input_embeds: Optional[torch.Tensor], forward_batch: ForwardBatch
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A draft layer's inputs: the tokens' embeddings (input_embeds when given) and the target's
-    final-norm hidden states of the previous positions (spec_info.hidden_states), in their dtype."""
-    embeds = embed_tokens(input_ids) if input_embeds is None else input_embeds
-    return embeds, forward_batch.spec_info.hidden_states.to(embeds.dtype)
+from sglang.srt.models.decoder_layer import PreNormDecoderLayer
 
 
 class DecoderModel(nn.Module):
@@ -48,6 +42,39 @@ class DecoderModel(nn.Module):
             return self.norm(hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+
+class DraftModel(nn.Module, ABC):
+    """One EAGLE / MTP draft step over the draft's own decoder layer:
+
+        h = fuse(embed(ids), target_hidden)  ->  decoder layer  ->  final norm
+
+    target_hidden: the target's final-norm hidden states of the previous positions
+    (forward_batch.spec_info.hidden_states). Subclasses set embed_tokens.
+    """
+
+    @abstractmethod
+    def fuse(self, embeds: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] decoder-layer input from the embeddings and target_hidden (both [T, hidden])."""
+
+    @abstractmethod
+    def layer_and_norm(self) -> tuple[PreNormDecoderLayer, RMSNorm]:
+        """The draft's decoder layer and its final norm."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        input_embeds: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden] of the draft."""
+        embeds = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        hidden = self.fuse(embeds, forward_batch.spec_info.hidden_states.to(embeds.dtype))
+        layer, norm = self.layer_and_norm()
+        hidden, residual = layer(positions, hidden, forward_batch, None)
+        hidden, _ = norm(hidden, residual)
+        return hidden
 
 
 class CausalLM(nn.Module):

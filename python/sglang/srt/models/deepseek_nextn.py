@@ -27,8 +27,7 @@ from sglang.srt.distributed.parallel_state import get_attn_tp
 from sglang.srt.layers.layernorm import RMSNorm, rms_norm_pair
 from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.models.causal_lm import CausalLM, draft_inputs
+from sglang.srt.models.causal_lm import CausalLM, DraftModel
 from sglang.srt.models.deepseek_v2 import DeepseekV2DecoderLayer, load_deepseek_weights
 
 # Checkpoint names inside the MTP layer prefix -> this module's names (the rest is the decoder layer).
@@ -53,7 +52,7 @@ class SharedHead(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class DeepseekModelNextN(nn.Module):
+class DeepseekModelNextN(DraftModel):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         hidden = config.hidden_size
@@ -65,19 +64,11 @@ class DeepseekModelNextN(nn.Module):
         self.decoder = DeepseekV2DecoderLayer(config, attn_layer_id=0, moe=moe)
         self.shared_head = SharedHead(config)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        input_embeds: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Final-norm hidden states [T, hidden] of the draft."""
-        embeds, target_hidden = draft_inputs(self.embed_tokens, input_ids, input_embeds, forward_batch)
-        hidden = self.eh_proj(rms_norm_pair(self.enorm, embeds, self.hnorm, target_hidden))
-        hidden, residual = self.decoder(positions, hidden, forward_batch, None)
-        hidden, _ = self.shared_head.norm(hidden, residual)
-        return hidden
+    def fuse(self, embeds: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
+        return self.eh_proj(rms_norm_pair(self.enorm, embeds, self.hnorm, target_hidden))
+
+    def layer_and_norm(self) -> tuple[DeepseekV2DecoderLayer, RMSNorm]:
+        return self.decoder, self.shared_head.norm
 
 
 class DeepseekV3ForCausalLMNextN(CausalLM):

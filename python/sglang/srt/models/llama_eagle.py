@@ -18,7 +18,7 @@ Checkpoint format (a directory, loaded like any model):
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -28,13 +28,12 @@ from sglang.srt.distributed.parallel_state import get_attn_tp
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import load_weights_into
-from sglang.srt.models.causal_lm import CausalLM, draft_inputs
+from sglang.srt.models.causal_lm import CausalLM, DraftModel
 from sglang.srt.models.llama import STACKED_PARAMS_MAPPING, LlamaDecoderLayer
 
 
-class LlamaEagleModel(nn.Module):
+class LlamaEagleModel(DraftModel):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         hidden = config.hidden_size
@@ -44,19 +43,11 @@ class LlamaEagleModel(nn.Module):
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, 0)])
         self.norm = RMSNorm(hidden, eps=config.rms_norm_eps)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        input_embeds: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Final-norm hidden states [T, hidden] of the draft."""
-        embeds, target_hidden = draft_inputs(self.embed_tokens, input_ids, input_embeds, forward_batch)
-        hidden = self.fc(torch.cat([embeds, target_hidden], dim=-1))
-        hidden, residual = self.layers[0](positions, hidden, forward_batch, None)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+    def fuse(self, embeds: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([embeds, target_hidden], dim=-1))
+
+    def layer_and_norm(self) -> tuple[LlamaDecoderLayer, RMSNorm]:
+        return self.layers[0], self.norm
 
 
 class LlamaForCausalLMEagle(CausalLM):
