@@ -1,7 +1,8 @@
 """What every model class shares: a decoder stack and an LM head over it.
 
-`DecoderModel` is the embedding -> pre-norm decoder layers -> final norm stack and
-`DraftModel` a speculative draft's one step; `CausalLM` puts the LM head and the logits processor on any decoder `model` that maps
+`DecoderModel` is the embedding -> pre-norm decoder layers -> final norm stack, of which
+a speculative draft (`DraftModel`) first fuses the embeddings with the target's hidden
+states; `CausalLM` puts the LM head and the logits processor on any decoder `model` that maps
 (input_ids, positions, forward_batch, input_embeds) to final-norm hidden states [T, hidden]
 and holds its embedding as `model.embed_tokens`.
 """
@@ -16,11 +17,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from sglang.srt.distributed.parallel_state import get_attn_tp
-from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.models.decoder_layer import PreNormDecoderLayer
 
 
 class DecoderModel(nn.Module):
@@ -34,7 +33,8 @@ class DecoderModel(nn.Module):
         input_embeds: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Final-norm hidden states [T, hidden]."""
-        hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        embeds = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        hidden_states = self.first_layer_input(embeds, forward_batch)
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
@@ -43,38 +43,26 @@ class DecoderModel(nn.Module):
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
+    def first_layer_input(self, embeds: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        """The first layer's input [T, hidden] from the tokens' embeddings: the embeddings."""
+        return embeds
 
-class DraftModel(nn.Module, ABC):
+
+class DraftModel(DecoderModel, ABC):
     """One EAGLE / MTP draft step over the draft's own decoder layer:
 
         h = fuse(embed(ids), target_hidden)  ->  decoder layer  ->  final norm
 
     target_hidden: the target's final-norm hidden states of the previous positions
-    (forward_batch.spec_info.hidden_states). Subclasses set embed_tokens.
+    (forward_batch.spec_info.hidden_states).
     """
 
     @abstractmethod
     def fuse(self, embeds: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
         """[T, hidden] decoder-layer input from the embeddings and target_hidden (both [T, hidden])."""
 
-    @abstractmethod
-    def layer_and_norm(self) -> tuple[PreNormDecoderLayer, RMSNorm]:
-        """The draft's decoder layer and its final norm."""
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        input_embeds: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Final-norm hidden states [T, hidden] of the draft."""
-        embeds = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        hidden = self.fuse(embeds, forward_batch.spec_info.hidden_states.to(embeds.dtype))
-        layer, norm = self.layer_and_norm()
-        hidden, residual = layer(positions, hidden, forward_batch, None)
-        hidden, _ = norm(hidden, residual)
-        return hidden
+    def first_layer_input(self, embeds: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        return self.fuse(embeds, forward_batch.spec_info.hidden_states.to(embeds.dtype))
 
 
 class CausalLM(nn.Module):

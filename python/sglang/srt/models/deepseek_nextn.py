@@ -67,8 +67,14 @@ class DeepseekModelNextN(DraftModel):
     def fuse(self, embeds: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
         return self.eh_proj(rms_norm_pair(self.enorm, embeds, self.hnorm, target_hidden))
 
-    def layer_and_norm(self) -> tuple[DeepseekV2DecoderLayer, RMSNorm]:
-        return self.decoder, self.shared_head.norm
+    @property
+    def layers(self) -> tuple[DeepseekV2DecoderLayer]:
+        """The decoder stack DecoderModel runs (checkpoint names: decoder.*, shared_head.norm)."""
+        return (self.decoder,)
+
+    @property
+    def norm(self) -> RMSNorm:
+        return self.shared_head.norm
 
 
 class DeepseekV3ForCausalLMNextN(CausalLM):

@@ -46,9 +46,6 @@ class LlamaEagleModel(DraftModel):
     def fuse(self, embeds: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.cat([embeds, target_hidden], dim=-1))
 
-    def layer_and_norm(self) -> tuple[LlamaDecoderLayer, RMSNorm]:
-        return self.layers[0], self.norm
-
 
 class LlamaForCausalLMEagle(CausalLM):
     def __init__(self, config: PretrainedConfig):
