@@ -38,7 +38,9 @@ class AttentionBackend(ABC):
         return out.view(num_tokens, layer.tp_q_head_num * layer.v_head_dim)
 
     @abstractmethod
-    def attend(self, q: torch.Tensor, out: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch") -> None:
+    def attend(
+        self, q: torch.Tensor, out: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch"
+    ) -> None:
         """out [T, H, Dv] = attention of q [T, H*D] (T > 0) over the layer's pool."""
 
 
