@@ -168,10 +168,9 @@ def test_pick_config_reads_the_table():
 def _forced(config: GemvConfig):
     """Every linear layer, the gated MLP and the LM head on the GEMV with `config`, and the rope +
     KV-store kernel in attention, whatever the device."""
-    rope_stores_kv = lambda q, fb, pool_type: isinstance(fb.token_to_kv_pool, pool_type)  # noqa: E731
     return (
         mock.patch("sglang.srt.layers.linear._gemv_config", lambda x, weight, gated: config),
-        mock.patch("sglang.srt.models.llama.rope_stores_kv", rope_stores_kv),
+        mock.patch("sglang.srt.layers.radix_attention.rope_stores_kv", lambda q: True),
     )
 
 

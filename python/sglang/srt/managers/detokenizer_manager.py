@@ -166,21 +166,7 @@ class IncrementalDetokenizer:
                 )
                 for i, rid in enumerate(recv.rids)
             ])
-        return BatchStrOut(
-            rids=recv.rids,
-            output_strs=texts,
-            output_ids=recv.output_ids,
-            output_offsets=recv.output_offsets,
-            finished_reasons=recv.finished_reasons,
-            prompt_tokens=recv.prompt_tokens,
-            completion_tokens=recv.completion_tokens,
-            cached_tokens=recv.cached_tokens,
-            output_token_logprobs=recv.output_token_logprobs,
-            output_top_logprobs=recv.output_top_logprobs,
-            input_token_logprobs=recv.input_token_logprobs,
-            input_top_logprobs=recv.input_top_logprobs,
-            spec_verify_ct=recv.spec_verify_ct,
-        )
+        return BatchStrOut(output_strs=texts, **recv.batch_out_fields())
 
 
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -67,23 +67,20 @@ class GetInternalStateReqOutput:
     internal_state: dict[str, Any]
 
 
-@dataclass
-class BatchTokenIDOut:
-    """Scheduler -> DetokenizerManager: new tokens of every request that advanced."""
+@dataclass(kw_only=True)
+class BatchOut:
+    """What both output messages carry per request (every list aligns with rids): the token
+    ids generated since its previous message, which start at its output position
+    output_offsets[i] (every message carries only what is new, so a long stream costs the
+    same per token as a short one), its usage counts and logprobs."""
 
     rids: list[str]
-    # Per request, the token ids generated since its previous message, which start at its
-    # output position output_offsets[i] (every message carries only what is new, so a long
-    # stream costs the same per token as a short one).
     output_ids: list[list[int]]
     output_offsets: list[int]
     finished_reasons: list[Optional[dict[str, Any]]]
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
-    skip_special_tokens: list[bool]
-    spaces_between_special_tokens: list[bool]
-    no_stop_trim: list[bool]
     # Per request: list of (logprob, token_id) for each new token, and top logprobs.
     output_token_logprobs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
     output_top_logprobs: list[Optional[list[list[tuple[float, int]]]]] = field(default_factory=list)
@@ -93,26 +90,28 @@ class BatchTokenIDOut:
     input_top_logprobs: list[Optional[list[Optional[list[tuple[float, int]]]]]] = field(default_factory=list)
     spec_verify_ct: list[int] = field(default_factory=list)
 
+    def batch_out_fields(self) -> dict[str, Any]:
+        """This message's BatchOut fields by name (the same objects, not copies)."""
+        return {f.name: getattr(self, f.name) for f in fields(BatchOut)}
 
-@dataclass
-class BatchStrOut:
+
+@dataclass(kw_only=True)
+class BatchTokenIDOut(BatchOut):
+    """Scheduler -> DetokenizerManager: new tokens of every request that advanced, with the
+    request's detokenization options."""
+
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    no_stop_trim: list[bool]
+
+
+@dataclass(kw_only=True)
+class BatchStrOut(BatchOut):
     """DetokenizerManager -> TokenizerManager, per request: the text decoded since its previous
     message (a finished request: its whole text, the matched stop trimmed), and the new ids
     and logprobs as in BatchTokenIDOut."""
 
-    rids: list[str]
     output_strs: list[str]
-    output_ids: list[list[int]]
-    output_offsets: list[int]
-    finished_reasons: list[Optional[dict[str, Any]]]
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
-    output_token_logprobs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
-    output_top_logprobs: list[Optional[list[list[tuple[float, int]]]]] = field(default_factory=list)
-    input_token_logprobs: list[Optional[list[tuple[Optional[float], int]]]] = field(default_factory=list)
-    input_top_logprobs: list[Optional[list[Optional[list[tuple[float, int]]]]]] = field(default_factory=list)
-    spec_verify_ct: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Iterable, Iterator, Sequence
+from typing import Collection, Iterable, Iterator, Sequence
 
 import torch
 from safetensors import safe_open
@@ -70,12 +70,13 @@ def load_weights_into(
     stacked_mapping: StackedMapping = (),
     skip_prefixes: Sequence[str] = (),
     skip_substrings: Sequence[str] = (),
+    optional: Collection[str] = (),
 ) -> set[str]:
     """Copy checkpoint tensors into `model` via each parameter's weight_loader.
 
     Names matching `stacked_mapping` go to the fused parameter with their shard id.
-    Raises on a checkpoint tensor with no parameter, and on a parameter left unloaded.
-    Returns the loaded parameter names.
+    Raises on a checkpoint tensor with no parameter, and on a parameter left unloaded
+    unless `optional` names it. Returns the loaded parameter names.
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -92,7 +93,7 @@ def load_weights_into(
             param = _param(params, target, name)
             getattr(param, "weight_loader", default_weight_loader)(param, tensor)
         loaded.add(target)
-    missing = sorted(set(params) - loaded)
+    missing = sorted(set(params) - loaded - set(optional))
     if missing:
         raise ValueError(f"checkpoint is missing parameters: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
     return loaded

@@ -26,9 +26,8 @@ from transformers import PretrainedConfig
 from sglang.srt.distributed.parallel_state import get_attn_tp
 from sglang.srt.layers.layernorm import RMSNorm, rms_norm_pair
 from sglang.srt.layers.linear import ReplicatedLinear
-from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
-from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from sglang.srt.models.causal_lm import CausalLM, DraftModel
 from sglang.srt.models.deepseek_v2 import DeepseekV2DecoderLayer, load_deepseek_weights
 
 # Checkpoint names inside the MTP layer prefix -> this module's names (the rest is the decoder layer).
@@ -53,7 +52,7 @@ class SharedHead(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class DeepseekModelNextN(nn.Module):
+class DeepseekModelNextN(DraftModel):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         hidden = config.hidden_size
@@ -65,51 +64,22 @@ class DeepseekModelNextN(nn.Module):
         self.decoder = DeepseekV2DecoderLayer(config, attn_layer_id=0, moe=moe)
         self.shared_head = SharedHead(config)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        input_embeds: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Final-norm hidden states [T, hidden] of the draft."""
-        embeds = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        target_hidden = forward_batch.spec_info.hidden_states.to(embeds.dtype)
-        hidden = self.eh_proj(rms_norm_pair(self.enorm, embeds, self.hnorm, target_hidden))
-        hidden, residual = self.decoder(positions, hidden, forward_batch, None)
-        hidden, _ = self.shared_head.norm(hidden, residual)
-        return hidden
+    def fuse(self, embeds: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
+        return self.eh_proj(rms_norm_pair(self.enorm, embeds, self.hnorm, target_hidden))
+
+    @property
+    def layers(self) -> tuple[DeepseekV2DecoderLayer]:
+        """The decoder stack DecoderModel runs (checkpoint names: decoder.*, shared_head.norm)."""
+        return (self.decoder,)
+
+    @property
+    def norm(self) -> RMSNorm:
+        return self.shared_head.norm
 
 
-class DeepseekV3ForCausalLMNextN(nn.Module):
+class DeepseekV3ForCausalLMNextN(CausalLM):
     def __init__(self, config: PretrainedConfig):
-        super().__init__()
-        self.config = config
-        self.model = DeepseekModelNextN(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group=get_attn_tp())
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        input_embeds: Optional[torch.Tensor] = None,
-    ) -> LogitsProcessorOutput:
-        hidden_states = self.model(input_ids, positions, forward_batch, input_embeds)
-        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
-
-    def get_embed_and_head(self) -> tuple[nn.Parameter, nn.Parameter]:
-        return self.model.embed_tokens.weight, self.lm_head.weight
-
-    def set_embed_and_head(self, embed: nn.Parameter, head: nn.Parameter) -> None:
-        """Use the target's embedding and LM head parameters (same tensors, no copy)."""
-        for module, param in ((self.model.embed_tokens, embed), (self.lm_head, head)):
-            if param.shape != module.weight.shape:
-                raise ValueError(f"shared weight shape {tuple(param.shape)} != {tuple(module.weight.shape)}")
-            del module.weight
-            module.weight = param
+        super().__init__(config, DeepseekModelNextN(config))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads the MTP layer's tensors; every other tensor of the checkpoint is skipped."""

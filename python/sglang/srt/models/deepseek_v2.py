@@ -26,7 +26,6 @@ from transformers import PretrainedConfig
 
 from sglang.srt.distributed.parallel_state import get_attn_tp, tensor_model_parallel_all_reduce
 from sglang.srt.kernels.moe.routing_config import RoutingConfig
-from sglang.srt.layers.deepseek_rotary import mla_rope_pack
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
@@ -36,12 +35,11 @@ from sglang.srt.layers.linear import (
     linear,
     stack_rows,
 )
-from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.moe.fused_moe import FusedMoE
-from sglang.srt.layers.radix_attention import RadixAttention, rope_stores_kv
+from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import get_rope, get_rope_params, yarn_get_mscale
-from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from sglang.srt.models.causal_lm import CausalLM, DecoderModel
 from sglang.srt.models.decoder_layer import PreNormDecoderLayer
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import default_weight_loader
@@ -238,15 +236,9 @@ class DeepseekV2Attention(nn.Module):
         # the rope step norms the raw latent (kv_a_layernorm) on its way to k.
         q_full = q.new_empty((num_tokens, self.num_heads, self.kv_lora_rank + self.qk_rope_head_dim))
         head_matmul(q_nope, w_uk, q_full[..., : self.kv_lora_rank])
-        if rope_stores_kv(q_full, forward_batch, MLATokenToKVPool):
-            kv_store = (forward_batch.token_to_kv_pool.get_kv_buffer(self.attn.layer_id), forward_batch.out_cache_loc)
-            mla_rope_pack(self.rotary_emb, positions, q_pe, k_pe, latent, q_full, kv_store, self.kv_a_layernorm)
-            o_latent = self.attn(q_full.flatten(1), None, None, forward_batch)  # the latent is read from the pool
-        else:
-            k_full = mla_rope_pack(  # [T, L + R], as pooled
-                self.rotary_emb, positions, q_pe, k_pe, latent, q_full, latent_norm=self.kv_a_layernorm
-            )
-            o_latent = self.attn(q_full.flatten(1), k_full, k_full[:, : self.kv_lora_rank], forward_batch)
+        o_latent = self.attn.forward_mla_rope(
+            self.rotary_emb, positions, q_pe, k_pe, latent, self.kv_a_layernorm, q_full, forward_batch
+        )
         o_latent = o_latent.view(num_tokens, self.num_heads, self.kv_lora_rank)
         o = o_latent.new_empty((num_tokens, self.num_heads, self.v_head_dim))
         head_matmul(o_latent, w_uv.transpose(1, 2), o)  # [T, H, v]
@@ -271,7 +263,9 @@ class DeepseekV2DecoderLayer(PreNormDecoderLayer):
         return super().mlp_after_attention(attn_out, residual, forward_batch)
 
 
-class DeepseekV2Model(nn.Module):
+class DeepseekV2Model(DecoderModel):
+    """Its final-norm hidden states are also what the NextN draft consumes."""
+
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group=get_attn_tp())
@@ -279,23 +273,6 @@ class DeepseekV2Model(nn.Module):
             DeepseekV2DecoderLayer(config, i, is_moe_layer(config, i)) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        input_embeds: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Final-norm hidden states [T, hidden] (also what the NextN draft consumes)."""
-        hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
-        if residual is None:
-            return self.norm(hidden_states)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
 
 def load_deepseek_weights(
@@ -340,28 +317,9 @@ def load_deepseek_weights(
         raise ValueError(f"checkpoint is missing parameters: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     def __init__(self, config: PretrainedConfig):
-        super().__init__()
-        self.config = config
-        self.model = DeepseekV2Model(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group=get_attn_tp())
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        input_embeds: Optional[torch.Tensor] = None,
-    ) -> LogitsProcessorOutput:
-        hidden_states = self.model(input_ids, positions, forward_batch, input_embeds)
-        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
-
-    def get_embed_and_head(self) -> tuple[nn.Parameter, nn.Parameter]:
-        """The embedding and LM head parameters, for a draft model to share (no copy)."""
-        return self.model.embed_tokens.weight, self.lm_head.weight
+        super().__init__(config, DeepseekV2Model(config))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names; the MTP layer (index num_hidden_layers and above) belongs to the draft."""

@@ -7,7 +7,7 @@ the TP group (the same group unless DP attention is on).
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -16,12 +16,11 @@ from transformers import PretrainedConfig
 from sglang.srt.distributed.parallel_state import get_attn_tp
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
-from sglang.srt.layers.radix_attention import RadixAttention, rope_stores_kv
+from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import get_rope, get_rope_params
-from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from sglang.srt.models.causal_lm import CausalLM, DecoderModel
 from sglang.srt.models.decoder_layer import PreNormDecoderLayer
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import load_weights_into
 
@@ -67,12 +66,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if rope_stores_kv(q, forward_batch, MHATokenToKVPool):
-            k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
-            q = self.rotary_emb.forward_store_kv(positions, q, k, v, k_buf, v_buf, forward_batch.out_cache_loc)
-            return self.o_proj(self.attn(q, None, None, forward_batch))  # attention reads k and v from the pool
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+        return self.o_proj(self.attn.forward_rope(self.rotary_emb, positions, q, k, v, forward_batch))
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
@@ -84,7 +78,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool = False):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group=get_attn_tp())
@@ -93,52 +87,13 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        input_embeds: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Final-norm hidden states [T, hidden]."""
-        hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
-        if residual is None:  # no layers
-            return self.norm(hidden_states)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     qkv_bias = False
 
     def __init__(self, config: PretrainedConfig):
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config, qkv_bias=self.qkv_bias)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group=get_attn_tp())
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        input_embeds: Optional[torch.Tensor] = None,
-    ) -> LogitsProcessorOutput:
-        hidden_states = self.model(input_ids, positions, forward_batch, input_embeds)
-        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
-
-    def get_embed_and_head(self) -> tuple[nn.Parameter, nn.Parameter]:
-        """The embedding and LM head parameters, for a draft model to share (no copy)."""
-        return self.model.embed_tokens.weight, self.lm_head.weight
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        super().__init__(config, LlamaModel(config, qkv_bias=self.qkv_bias), tie_word_embeddings=tied)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_weights_into(

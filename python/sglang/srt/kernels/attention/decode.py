@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.kernels.attention.common import HeadDimTiling
+from sglang.srt.kernels.attention.common import LOG2E, HeadDimTiling, attend_kv_block, load_q_tile
 from sglang.srt.kernels.launch import cache_line_elems, pdl_launch, prefetch_l2, signals_dependents
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 from sglang.srt.utils.triton_precision import dot_precision
@@ -27,7 +27,6 @@ from sglang.srt.utils.triton_precision import dot_precision
 MAX_KV_SPLITS = 16  # grid size along the split axis (a power of two: stage 2 tiles it)
 MIN_TOKENS_PER_SPLIT = 64
 BLOCK_H = 16  # query heads per program; tl.dot needs >= 16 rows
-LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -91,54 +90,22 @@ def _decode_stage1_kernel(
     offs_g = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     valid_h = offs_g < GROUP
     heads = kv_head * GROUP + offs_g
-    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=valid_h[:, None] & (offs_d[None, :] < D_MAIN),
-        other=0.0,
-    )
-    if BLOCK_DPE > 0:
-        offs_pe = D_MAIN + tl.arange(0, BLOCK_DPE)
-        q_pe = tl.load(
-            Q + b * stride_qb + heads[:, None] * stride_qh + offs_pe[None, :],
-            mask=valid_h[:, None] & (offs_pe[None, :] < LK),
-            other=0.0,
-        )
+    q, q_pe = load_q_tile(Q + b * stride_qb + heads[:, None] * stride_qh, valid_h, D_MAIN, LK, BLOCK_D, BLOCK_DPE)
 
+    k_head, v_head = K + kv_head * stride_kh, V + kv_head * stride_vh
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         valid_n = offs_n < hi
-        slots = tl.load(kv_indices + kv_start + offs_n, mask=valid_n, other=0).to(tl.int64)
-        k = tl.load(  # [BLOCK_D, BLOCK_N]
-            K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None],
-            mask=valid_n[None, :] & (offs_d[:, None] < D_MAIN),
-            other=0.0,
+        acc, l_i, m_i = attend_kv_block(
+            q, q_pe, acc, l_i, m_i,
+            kv_indices + kv_start, offs_n, valid_n, valid_n[None, :],
+            k_head, v_head, stride_kn, stride_vn, qk_scale,
+            D_MAIN, LK, LV, BLOCK_D, BLOCK_DPE, BLOCK_DV, DOT_PRECISION,
         )
-        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)
-        if BLOCK_DPE > 0:
-            k_pe = tl.load(
-                K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_pe[:, None],
-                mask=valid_n[None, :] & (offs_pe[:, None] < LK),
-                other=0.0,
-            )
-            qk += tl.dot(q_pe, k_pe.to(q_pe.dtype), input_precision=DOT_PRECISION)
-        qk = tl.where(valid_n[None, :], qk * qk_scale, float("-inf"))
-        # Every block has a valid column, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        v = tl.load(
-            V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_dv[None, :],
-            mask=valid_n[:, None] & (offs_dv[None, :] < LV),
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
 
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]

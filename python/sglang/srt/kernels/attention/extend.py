@@ -15,11 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.kernels.attention.common import HeadDimTiling
+from sglang.srt.kernels.attention.common import LOG2E, HeadDimTiling, attend_kv_block, load_q_tile
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 from sglang.srt.utils.triton_precision import dot_precision
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -51,21 +49,11 @@ def _extend_kernel(
         offs_m = offs_g // PACK  # token of each tile row
         heads = first_head + offs_g % PACK
         valid_m = offs_m < q_len
-        offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         rows = (q_start + offs_m).to(tl.int64)
-        q = tl.load(
-            Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=valid_m[:, None] & (offs_d[None, :] < D_MAIN),
-            other=0.0,
+        q, q_pe = load_q_tile(
+            Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh, valid_m, D_MAIN, LK, BLOCK_D, BLOCK_DPE
         )
-        if BLOCK_DPE > 0:
-            offs_pe = D_MAIN + tl.arange(0, BLOCK_DPE)
-            q_pe = tl.load(
-                Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_pe[None, :],
-                mask=valid_m[:, None] & (offs_pe[None, :] < LK),
-                other=0.0,
-            )
         if USE_MASK:
             kv_end = kv_len
             mask_row = rows * tree_cols
@@ -73,26 +61,13 @@ def _extend_kernel(
         else:  # causal: columns past this block's last token are never visible
             kv_end = tl.minimum(kv_len, prefix + ((m_block + 1) * BLOCK_M - 1) // PACK + 1)
 
+        k_head, v_head = K + kv_head * stride_kh, V + kv_head * stride_vh
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         for start in range(0, kv_end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             valid_n = offs_n < kv_end
-            slots = tl.load(kv_indices + kv_start + offs_n, mask=valid_n, other=0).to(tl.int64)
-            k = tl.load(  # [BLOCK_D, BLOCK_N]
-                K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None],
-                mask=valid_n[None, :] & (offs_d[:, None] < D_MAIN),
-                other=0.0,
-            )
-            qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)
-            if BLOCK_DPE > 0:
-                k_pe = tl.load(
-                    K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_pe[:, None],
-                    mask=valid_n[None, :] & (offs_pe[:, None] < LK),
-                    other=0.0,
-                )
-                qk += tl.dot(q_pe, k_pe.to(q_pe.dtype), input_precision=DOT_PRECISION)
             visible = valid_m[:, None] & valid_n[None, :]
             if USE_MASK:
                 in_tree = offs_n[None, :] >= tree_start
@@ -102,20 +77,12 @@ def _extend_kernel(
                 visible = visible & ((custom != 0) | ~in_tree)
             else:
                 visible = visible & (offs_n[None, :] <= prefix + offs_m[:, None])
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
-            # A row may have no visible column yet (padding rows, tree masks): keep it at 0.
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(qk - m_safe[:, None])
-            v = tl.load(
-                V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_dv[None, :],
-                mask=valid_n[:, None] & (offs_dv[None, :] < LV),
-                other=0.0,
+            acc, l_i, m_i = attend_kv_block(
+                q, q_pe, acc, l_i, m_i,
+                kv_indices + kv_start, offs_n, valid_n, visible,
+                k_head, v_head, stride_kn, stride_vn, qk_scale,
+                D_MAIN, LK, LV, BLOCK_D, BLOCK_DPE, BLOCK_DV, DOT_PRECISION,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(

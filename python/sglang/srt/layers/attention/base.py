@@ -18,7 +18,6 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         """Build backend-private metadata once per forward, before the layers run."""
 
-    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -27,7 +26,22 @@ class AttentionBackend(ABC):
         layer: "RadixAttention",
         forward_batch: "ForwardBatch",
         save_kv_cache: bool = True,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """q: [T, H*D]; k, v: [T, Hkv*D], saved into the pool first, or None when the pool
+        holds them already. Returns [T, H*Dv]."""
+        if k is not None and save_kv_cache:
+            save_kv(layer, forward_batch, k, v)
+        num_tokens = q.shape[0]
+        out = q.new_empty((num_tokens, layer.tp_q_head_num, layer.v_head_dim))
+        if num_tokens:
+            self.attend(q, out, layer, forward_batch)
+        return out.view(num_tokens, layer.tp_q_head_num * layer.v_head_dim)
+
+    @abstractmethod
+    def attend(
+        self, q: torch.Tensor, out: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch"
+    ) -> None:
+        """out [T, H, Dv] = attention of q [T, H*D] (T > 0) over the layer's pool."""
 
 
 def save_kv(layer: "RadixAttention", forward_batch: "ForwardBatch", k: torch.Tensor, v: torch.Tensor) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sglang.srt.layers.attention.base import AttentionBackend, load_kv, save_kv
+from sglang.srt.layers.attention.base import AttentionBackend, load_kv
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
@@ -21,22 +21,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         else:  # upper bounds on the host: this reference backend reads the exact ones
             self.lengths = list(zip(fb.extend_seq_lens.tolist(), fb.seq_lens.tolist()))
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
-        if k is not None and save_kv_cache:
-            save_kv(layer, forward_batch, k, v)
-        num_tokens = q.shape[0]
-        out = q.new_empty((num_tokens, layer.tp_q_head_num, layer.v_head_dim))
-        if num_tokens == 0:
-            return out.view(0, layer.tp_q_head_num * layer.v_head_dim)
-        q = q.view(num_tokens, layer.tp_q_head_num, layer.head_dim)
+    def attend(self, q: torch.Tensor, out: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:
+        q = q.view(q.shape[0], layer.tp_q_head_num, layer.head_dim)
         k_cache, v_cache = load_kv(layer, forward_batch)
         req_to_token = forward_batch.req_to_token_pool.req_to_token
         start = 0
@@ -49,7 +35,6 @@ class TorchNativeAttnBackend(AttentionBackend):
                 q[start : start + ext], k_cache[slots], v_cache[slots], mask, layer
             )
             start += ext
-        return out.view(num_tokens, -1)
 
     @staticmethod
     def _mask(fb: ForwardBatch, row: int, ext: int, seq: int, device) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from sglang.srt.kernels.attention.common import build_kv_indices, q_heads_view
 from sglang.srt.kernels.attention.decode import decode_attention, num_kv_splits
 from sglang.srt.kernels.attention.extend import extend_attention
-from sglang.srt.layers.attention.base import AttentionBackend, load_kv, save_kv
+from sglang.srt.layers.attention.base import AttentionBackend, load_kv
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
@@ -84,21 +84,7 @@ class TritonAttnBackend(AttentionBackend):
             num_kv_splits=num_kv_splits(seq_lens) if use_decode else None,
         )
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: Optional[torch.Tensor],
-        v: Optional[torch.Tensor],
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
-        if k is not None and save_kv_cache:
-            save_kv(layer, forward_batch, k, v)
-        num_tokens = q.shape[0]
-        out = q.new_empty((num_tokens, layer.tp_q_head_num, layer.v_head_dim))
-        if num_tokens == 0:
-            return out.view(0, layer.tp_q_head_num * layer.v_head_dim)
+    def attend(self, q: torch.Tensor, out: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:
         meta = self.metadata
         q3 = q_heads_view(q, layer.tp_q_head_num, layer.head_dim)
         k_cache, v_cache = load_kv(layer, forward_batch)
@@ -111,4 +97,3 @@ class TritonAttnBackend(AttentionBackend):
                 q3, k_cache, v_cache, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
                 meta.max_extend_len, layer.scaling, forward_batch.custom_mask,
             )
-        return out.view(num_tokens, -1)
