@@ -260,6 +260,8 @@ class TokenizerManager:
         self._recv_ctx = shared_async_context(1)
         self.recv_from_detokenizer = self._recv_ctx.socket(zmq.PULL)
         self.recv_from_detokenizer.bind(port_args.tokenizer_ipc_name)
+        # The same socket without asyncio's futures: drains what is already queued, cheaply.
+        self._drain_from_detokenizer = zmq.Socket.shadow(self.recv_from_detokenizer.underlying)
 
         self.rid_to_state: dict[str, ReqState] = {}
         self.metrics = MetricsCollector(server_args.served_model_name) if server_args.enable_metrics else None
@@ -561,7 +563,7 @@ class TokenizerManager:
         msgs = [await self.recv_from_detokenizer.recv_pyobj()]
         while len(msgs) < _MAX_DRAINED:
             try:
-                msgs.append(await self.recv_from_detokenizer.recv_pyobj(zmq.NOBLOCK))
+                msgs.append(self._drain_from_detokenizer.recv_pyobj(zmq.NOBLOCK))
             except zmq.Again:
                 break
         return msgs
