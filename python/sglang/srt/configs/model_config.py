@@ -52,15 +52,14 @@ class ModelConfig:
     ):
         self.model_path = resolve_model_path(model_path)
         self.hf_config = get_config(self.model_path, trust_remote_code)
-        if isinstance(model_override_args, str):
-            model_override_args = json.loads(model_override_args)
-        for key, value in (model_override_args or {}).items():
+        overrides: dict[str, Any] = json.loads(model_override_args) if isinstance(model_override_args, str) else model_override_args or {}
+        for key, value in overrides.items():
             setattr(self.hf_config, key, value)
         if architectures is not None:
             self.hf_config.architectures = list(architectures)
         if not getattr(self.hf_config, "architectures", None):  # GGUF configs carry only model_type
             self.hf_config.architectures = [_causal_lm_architecture(self.hf_config.model_type)]
-        self.architectures: list[str] = list(self.hf_config.architectures)
+        self.architectures: list[str] = list(self.hf_config.architectures or [])
         self.dtype = resolve_dtype(dtype, device)
 
         cfg = self.hf_config

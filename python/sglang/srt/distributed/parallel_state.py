@@ -60,11 +60,13 @@ class ParallelGroup:
     ipc_only: bool = False  # GPU collectives must go through `ipc` (ranks share a GPU: no NCCL)
     name: str = "tp"  # how --debug-collectives records name the group
 
-    def _use_ipc(self, x: torch.Tensor) -> bool:
+    def _ipc_for(self, x: torch.Tensor) -> Optional[IpcCommunicator]:
+        """The IPC communicator that carries a collective of x, or None: NCCL or gloo does."""
         on_ipc_device = self.ipc is not None and x.device == self.ipc.device
         if not (on_ipc_device or (self.ipc_only and x.is_cuda)):
-            return False
-        return use_ipc(x.numel() * x.element_size(), self.ipc.slot_bytes if self.ipc else None, self.ipc_only)
+            return None
+        slot_bytes = self.ipc.slot_bytes if self.ipc else None
+        return self.ipc if use_ipc(x.numel() * x.element_size(), slot_bytes, self.ipc_only) else None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the group, in place."""
@@ -72,8 +74,8 @@ class ParallelGroup:
             return x
         if _recorder is not None:
             _recorder.record(self.name, "all_reduce", x)
-        if self._use_ipc(x):
-            return self.ipc.all_reduce(x)
+        if (ipc := self._ipc_for(x)) is not None:
+            return ipc.all_reduce(x)
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -83,8 +85,8 @@ class ParallelGroup:
             return x
         if _recorder is not None:
             _recorder.record(self.name, f"all_gather({dim})", x)
-        if self._use_ipc(x):
-            return self.ipc.all_gather(x, dim)
+        if (ipc := self._ipc_for(x)) is not None:
+            return ipc.all_gather(x, dim)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
@@ -227,7 +229,7 @@ def max_over_ranks(value: int) -> int:
     return _reduce_over_ranks(value, dist.ReduceOp.MAX)
 
 
-def _reduce_over_ranks(value: int, op: dist.ReduceOp) -> int:
+def _reduce_over_ranks(value: int, op: dist.ReduceOp.RedOpType) -> int:
     group = get_cpu_group()
     if group is None:
         return value

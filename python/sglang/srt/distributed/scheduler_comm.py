@@ -106,10 +106,12 @@ class SchedulerComm:
         """Entry rank's received messages, copied to every attention-TP peer."""
         if self.attn_tp_size == 1:
             return msgs
-        box = [msgs if self.is_entry_rank else None]
+        box: list[Optional[list[Any]]] = [msgs if self.is_entry_rank else None]
         src = self.tp_rank - self.attn_tp_rank
         dist.broadcast_object_list(box, src=src, group=self.attn_tp_cpu_group)
-        return box[0]
+        received = box[0]
+        assert received is not None  # the entry rank broadcast its list
+        return received
 
     def gather_plan(self, local: LocalPlan) -> GlobalPlan:
         """The per-iteration all-gather (DP attention only)."""

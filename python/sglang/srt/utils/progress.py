@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Iterable, Iterator, Optional, TypeVar
+from typing import Iterable, Iterator, Optional, Sized, TypeVar
 
 from tqdm import tqdm
 
@@ -34,7 +34,7 @@ def progress(iterable: Iterable[T], desc: str, unit: str, total: Optional[int] =
     if not _shown:
         yield from iterable
         return
-    if total is None and hasattr(iterable, "__len__"):
+    if total is None and isinstance(iterable, Sized):
         total = len(iterable)
     if sys.stderr.isatty():
         yield from tqdm(iterable, desc=desc, unit=unit, total=total)

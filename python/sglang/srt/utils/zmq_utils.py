@@ -14,12 +14,12 @@ import zmq.asyncio
 
 def shared_context(io_threads: int = 1) -> zmq.Context:
     """The shared context (io_threads applies when it is first created in this process)."""
-    ctx = zmq.Context.instance(io_threads)
+    ctx: zmq.Context = zmq.Context.instance(io_threads)
     ctx.setsockopt(zmq.LINGER, 0)
     return ctx
 
 
 def shared_async_context(io_threads: int = 1) -> zmq.asyncio.Context:
-    ctx = zmq.asyncio.Context.instance(io_threads)
+    ctx: zmq.asyncio.Context = zmq.asyncio.Context.instance(io_threads)
     ctx.setsockopt(zmq.LINGER, 0)
     return ctx
