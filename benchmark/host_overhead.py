@@ -60,10 +60,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_decode import dummy_model_dir  # noqa: E402
+from sglang.srt.batch.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, CudaGraphRunner, ModeKey  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import PortArgs, ServerArgs, prepare_server_args  # noqa: E402

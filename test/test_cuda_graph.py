@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
-
+from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.cuda_graph_runner import (
@@ -27,7 +27,6 @@ from sglang.srt.model_executor.cuda_graph_runner import (
     default_capture_sizes,
     padded_batch_size,
 )
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
 from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
@@ -615,7 +614,6 @@ def test_captured_work_matches_eager_spec_dp_attention(perfect_dsv3_dir):
     idle rank's sub-forward graphs): the single-rank eager tokens, and accept length 4.0 on
     both DP ranks."""
     import torch.multiprocessing as mp
-
     from sglang.srt.server_args import PortArgs
 
     spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
@@ -645,7 +643,6 @@ def test_captured_work_matches_eager_adaptive_dp_attention(tmp_path):
     tier's sub-forward graphs (the tier is part of the key chosen from the plan), with the
     single-rank tokens."""
     import torch.multiprocessing as mp
-
     from sglang.srt.server_args import PortArgs
     from sglang.test.spec_models import make_perfect_deepseek_v3
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.batch.forward_batch_info import ForwardBatch
 
 
 class RadixAttention(nn.Module):

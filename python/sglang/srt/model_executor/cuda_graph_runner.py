@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, NamedTuple, Optional, Protocol, Sequence, Unio
 
 import torch
 
+from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.distributed.parallel_state import record_graph_replay
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.mem_cache.memory_pool import DUMMY_KV_SLOT, DUMMY_REQ_ROW
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.speculative.spec_info import SpecInput
 
 if TYPE_CHECKING:

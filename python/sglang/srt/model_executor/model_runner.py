@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from sglang.srt.batch.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import init_ipc_collectives, max_over_ranks, min_over_ranks
 from sglang.srt.layers.attention import create_attention_backend
@@ -31,7 +32,6 @@ from sglang.srt.model_executor.cuda_graph_runner import (
     ModeKey,
     capture_batch_sizes,
 )
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_loader import get_model
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.spec_plan import SpecSizes

@@ -23,12 +23,12 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from sglang.srt.batch.forward_batch_info import ForwardBatch
 from sglang.srt.distributed.parallel_state import get_attn_tp
 from sglang.srt.layers.layernorm import RMSNorm, rms_norm_pair
 from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.deepseek_v2 import DeepseekV2DecoderLayer, load_deepseek_weights
 
 # Checkpoint names inside the MTP layer prefix -> this module's names (the rest is the decoder layer).

@@ -24,14 +24,14 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from sglang.srt.batch.forward_batch_info import ForwardBatch
 from sglang.srt.distributed.parallel_state import get_attn_tp
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.model_loader.weight_utils import load_weights_into
 from sglang.srt.models.llama import STACKED_PARAMS_MAPPING, LlamaDecoderLayer
+from sglang.srt.models.weight_loading import load_weights_into
 
 
 class LlamaEagleModel(nn.Module):

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.mem_cache.memory_pool import DUMMY_REQ_ROW, ReqToTokenPool
 from sglang.srt.model_executor.cuda_graph_runner import ForwardFn
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.speculative.draft_loop import DraftLoop
 from sglang.srt.speculative.eagle_utils import DraftTree, VerifyOutcome, build_draft_tree
 from sglang.srt.speculative.spec_info import RequestStates, SpecInput

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang.srt.batch.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.cuda_graph_runner import ForwardFn
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.speculative.spec_info import top_guesses
 
 

@@ -39,14 +39,14 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.batch.schedule_batch import Req, ScheduleBatch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import get_attn_tp_group, get_attn_tp_size
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
-from sglang.srt.sampling.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo, greedy_tokens, token_logprobs
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.managers.tp_worker import GenerationResult, InputLogprobs, LaunchedStep, TpModelWorker
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_executor.tp_worker import GenerationResult, InputLogprobs, LaunchedStep, TpModelWorker
+from sglang.srt.sampling.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo, greedy_tokens, token_logprobs
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.decode_cycle import CycleTensors, cycle_batch
 from sglang.srt.speculative.eagle_utils import (
@@ -96,7 +96,7 @@ def draft_model_config(server_args: ServerArgs) -> ModelConfig:
 
 @dataclass
 class LaunchedCycle:
-    """A decode cycle queued on the device (scheduler.LaunchedStep's interface): its tokens and
+    """A decode cycle queued on the device (tp_worker.LaunchedStep's interface): its tokens and
     its KV positions reach the host in resolve(), which also frees the verify slots not kept."""
 
     reqs: list[Req]

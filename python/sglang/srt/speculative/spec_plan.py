@@ -22,9 +22,9 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
+from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
 from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, GraphProgram, ModeKey
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.speculative.draft_extend_program import DraftExtendProgram
 from sglang.srt.speculative.verify_program import VerifyProgram
 

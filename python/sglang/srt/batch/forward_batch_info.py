@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from sglang.srt.layers.attention.base import AttentionBackend
     from sglang.srt.mem_cache.memory_pool import KVPool, ReqToTokenPool
 
 
@@ -33,6 +32,22 @@ class ForwardMode(enum.IntEnum):
 
     def is_idle(self) -> bool:
         return self == ForwardMode.IDLE
+
+
+class LayerAttention(Protocol):
+    """What a batch's attention backend does for one attention layer (every
+    layers/attention backend implements it)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: Any,  # the calling layers.radix_attention.RadixAttention
+        forward_batch: "ForwardBatch",
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """Attention of q over the layer's KV, after storing k and v (unless None) at out_cache_loc."""
 
 
 class CaptureHiddenMode(enum.IntEnum):
@@ -85,7 +100,7 @@ class ForwardBatch:
     global_forward_mode: Optional[ForwardMode] = None
     gathered_buffer: Optional[torch.Tensor] = None
     # Set by the model runner before the forward.
-    attn_backend: Optional["AttentionBackend"] = None
+    attn_backend: Optional[LayerAttention] = None
     req_to_token_pool: Optional["ReqToTokenPool"] = None
     token_to_kv_pool: Optional["KVPool"] = None
 
