@@ -219,7 +219,7 @@ def test_one_guess_is_the_greedy_token_with_score_one():
 
 def test_draft_extend_program_returns_the_guesses_and_hidden_states():
     logits, hidden = torch.randn(3, 11), torch.randn(3, 8)
-    out = DraftExtendProgram(2)(None, lambda fb: LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden))
+    out = DraftExtendProgram(2, rows_per_req=1)(None, lambda fb: LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden))
     ref_probs, ref_tokens = torch.topk(torch.softmax(logits, dim=-1), 2, dim=-1)
     assert torch.equal(out[1], ref_tokens) and torch.equal(out[2], hidden)
     torch.testing.assert_close(out[0], ref_probs)

@@ -25,6 +25,9 @@ class ForwardMode(enum.IntEnum):
     DRAFT_DECODE = 4  # topk tokens per request, one draft step
     DRAFT_EXTEND = 5  # draft model catching up on accepted tokens
     IDLE = 6  # no local rows; still runs every collective under DP attention
+    # A speculative decode cycle's batch: table rows and KV slots only, which a program turns
+    # into the cycle's sub-forwards (never a model forward itself).
+    DECODE_CYCLE = 7
 
     def is_extend_like(self) -> bool:
         """Modes whose queries attend causally to their own new tokens."""
@@ -89,9 +92,6 @@ class ForwardBatch:
     input_top_logprobs_num: int = 0
     # Speculative decoding input (draft hidden states etc.), owned by speculative/.
     spec_info: Any = None
-    # The draft steps of the speculative tier a sub-forward belongs to (0 outside speculation):
-    # CUDA graphs are captured per tier, so it picks the graph.
-    spec_steps: int = 0
     # DP attention: tokens each DP rank contributes to this forward (same on every rank),
     # and this rank's gathered buffer (allocated once; sliced per forward, never kept).
     global_num_tokens: Optional[list[int]] = None

@@ -48,6 +48,7 @@ from sglang.srt.model_executor.tp_worker import GenerationResult, LaunchedStep, 
 from sglang.srt.sampling.sampler import NAN_TOKEN_ID
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.speculative.adaptive import AdaptiveTiers, figures_of_plan
+from sglang.srt.speculative.eagle_worker import EAGLEWorker, target_runner_setup
 from sglang.srt.utils.hf_transformers_utils import get_server_tokenizer, resolve_model_path
 from sglang.srt.utils.zmq_utils import shared_context
 
@@ -82,7 +83,10 @@ class Scheduler:
         )
         self.tokenizer = get_server_tokenizer(server_args)  # None: stop strings are refused upstream
         self.eos_ids = _eos_ids(self.model_config.hf_config, self.tokenizer)
-        target = TpModelWorker(server_args, self.model_config, gpu_id, tp_rank)
+        speculative = server_args.speculative_algorithm is not None
+        # A speculative worker's target runner is sized and captured for its cycles.
+        runner_setup = target_runner_setup(server_args) if speculative else ()
+        target = TpModelWorker(server_args, self.model_config, gpu_id, tp_rank, *runner_setup)
         self.runner = runner = target.runner
         self.context_len = self.model_config.context_len
         self.max_running_requests = runner.max_running_requests
@@ -93,9 +97,7 @@ class Scheduler:
         target.kv = self.kv
         self.worker = target
         self.spec_worker = None
-        if server_args.speculative_algorithm is not None:
-            from sglang.srt.speculative.eagle_worker import EAGLEWorker
-
+        if speculative:
             self.worker = self.spec_worker = EAGLEWorker(server_args, target, gpu_id, tp_rank)
         # --speculative-adaptive: each decode cycle's tier (draft steps), decided alike on every rank.
         self.adaptive = AdaptiveTiers.from_server_args(server_args) if server_args.speculative_adaptive else None

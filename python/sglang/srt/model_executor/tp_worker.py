@@ -19,7 +19,8 @@ from sglang.srt.batch.req_kv import ReqKVManager
 from sglang.srt.batch.schedule_batch import FutureTokens, Req, ScheduleBatch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, ModeKey
+from sglang.srt.model_executor.model_runner import ModelRunner, RunnerShapes
 from sglang.srt.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.transfer import HostCopy, upload
@@ -121,8 +122,19 @@ def _same_objects(a: list, b: list) -> bool:
 
 
 class TpModelWorker:
-    def __init__(self, server_args: ServerArgs, model_config: ModelConfig, gpu_id: int, tp_rank: int):
-        self.runner = ModelRunner(model_config, server_args, gpu_id, tp_rank, server_args.tp_size)
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        model_config: ModelConfig,
+        gpu_id: int,
+        tp_rank: int,
+        shapes: RunnerShapes = RunnerShapes(),
+        graph_modes: Optional[dict[ModeKey, CapturedMode]] = None,
+    ):
+        """shapes and graph_modes: the runner's, beyond plain decoding (ModelRunner)."""
+        self.runner = ModelRunner(
+            model_config, server_args, gpu_id, tp_rank, server_args.tp_size, shapes=shapes, graph_modes=graph_modes
+        )
         self.device = self.runner.device
         self.sampler = Sampler(server_args.enable_nan_detection)
         self.generators: dict[str, torch.Generator] = {}

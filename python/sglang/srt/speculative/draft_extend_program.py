@@ -15,6 +15,7 @@ from sglang.srt.speculative.spec_info import top_guesses
 @dataclass(frozen=True)
 class DraftExtendProgram:
     topk: int
+    rows_per_req: int  # the batch's rows per request (steps + 1): each tier captures its own graphs
 
     def __call__(self, fb: ForwardBatch, forward: ForwardFn) -> tuple[torch.Tensor, ...]:
         """Returns (probs [bs, topk], tokens [bs, topk], hidden [bs, hidden]) at each request's
