@@ -18,9 +18,8 @@ Invariants:
 - under DP attention the choice depends only on the iteration plan (the same on every rank):
   when no DP rank extends, every rank replays the decode graph padded to the largest DP
   rank's batch, idle ranks included, so the gathers inside the graphs line up;
-- a program's batch replays only a graph captured with that program (programs compare by
-  value): modes share the static inputs and the memory pool, never a graph or an output
-  buffer.
+- a program's batch replays only a graph captured with that program: modes share the static
+  inputs and the memory pool, never a graph or an output buffer.
 """
 
 from __future__ import annotations
@@ -82,8 +81,9 @@ class ForwardFn(Protocol):
 class GraphProgram(Protocol):
     """Work of several forwards captured as one graph (e.g. the whole draft loop). Called with
     the mode's batch and the forward to run each forward with; returns per-request outputs
-    ([batch_size, ...] each). Programs compare by value and hash (frozen dataclasses), and their
-    repr is the same on every rank (it is part of GraphKey's, which --debug-collectives compares)."""
+    ([batch_size, ...] each). Programs are hashable (graphs are looked up by them): frozen
+    dataclasses compared by value, or as objects when they hold state; their repr is the same on
+    every rank (it is part of GraphKey's, which --debug-collectives compares)."""
 
     def __call__(self, fb: ForwardBatch, forward: ForwardFn) -> tuple[torch.Tensor, ...]: ...
 

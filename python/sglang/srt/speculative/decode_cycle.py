@@ -63,12 +63,12 @@ class CycleTensors:
         return self.rows.shape[0]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed as an object: it holds state
 class DecodeCycle:
     sizes: SpecSizes
     max_position: int  # positions past the context are never emitted; they are clamped
-    # What the tier's cycles share (compared as objects; left out of the repr, which a graph
-    # key carries and ranks compare).
+    # What the tiers' cycles share (left out of the repr, which a graph key carries and ranks
+    # compare).
     states: RequestStates = field(repr=False)
     table: ReqToTokenPool = field(repr=False)
     target: "ModelRunner" = field(repr=False)
