@@ -149,7 +149,7 @@ class EAGLEWorker:
         }
         # The tier of the latest decode cycle launched: a request's cycle in flight is that one.
         self.launched_sizes = self.sizes
-        graph_modes = {}
+        graph_modes: dict[ModeKey, CapturedMode] = {}
         for tier in self.tiers.values():
             graph_modes.update(tier.draft_graph_modes(draft_config.hidden_size, draft_config.dtype))
         # The draft shares the target's slots, gathered buffer, IPC buffers, embedding and LM head.
