@@ -63,7 +63,6 @@ from bench_decode import dummy_model_dir  # noqa: E402
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, CudaGraphRunner, ModeKey  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import PortArgs, ServerArgs, prepare_server_args  # noqa: E402
@@ -164,8 +163,8 @@ def standin_capture(graphs: CudaGraphRunner) -> None:
         largest = max((k for k in graphs.keys if k.mode_key == mode_key), key=lambda k: k.num_tokens)
         mode = graphs.modes[mode_key]
         batch = graphs.inputs.padding_batch(largest, mode)
-        if mode.program is not None:
-            warm = mode.program(batch, runner.forward_eager)
+        if mode_key.program is not None:
+            warm = mode_key.program(batch, runner.forward_eager)
         else:
             out = runner.forward_eager(batch)
             warm = tuple(t for t in (out.next_token_logits, out.hidden_states) if t is not None)
@@ -176,10 +175,8 @@ def standin_capture(graphs: CudaGraphRunner) -> None:
 
 
 def standin_graph_modes(runner: ModelRunner) -> dict[ModeKey, CapturedMode]:
-    """ModelRunner._graph_modes as on CUDA, whatever the device."""
-    if runner.spec_sizes is not None:
-        return runner.speculative_graph_modes()
-    return {ModeKey(ForwardMode.DECODE): CapturedMode(1)}
+    """ModelRunner._graph_modes as on CUDA, whatever the device: the modes it was given."""
+    return runner.graph_modes
 
 
 def new_scheduler(server_args: ServerArgs, graph_standin: bool) -> Scheduler:

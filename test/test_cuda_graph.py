@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
-
+from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.cuda_graph_runner import (
@@ -27,7 +27,6 @@ from sglang.srt.model_executor.cuda_graph_runner import (
     default_capture_sizes,
     padded_batch_size,
 )
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
 from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
@@ -454,10 +453,10 @@ class _WorkAsGraph:
     """A CUDA graph's stand-in on CPU: replay() runs the captured work on the static inputs and
     leaves the outputs where a replayed graph would. Like a graph, it reads the weights at
     the addresses they had at capture: replacing a weight afterwards fails the replay.
-    Counts replays per mode, and keeps the keys replayed."""
+    Counts replays per mode, and keeps the keys replayed with their groups."""
 
     replays: dict[ForwardMode, int] = {}
-    keys: set[GraphKey] = set()
+    keys: set[tuple[GraphKey, int]] = set()
 
     def __init__(self, graphs: CudaGraphRunner, key: GraphKey):
         self.graphs, self.key = graphs, key
@@ -471,7 +470,7 @@ class _WorkAsGraph:
             assert batch.extend_seq_lens.tolist() == [self.key.tokens_per_req] * self.key.batch_size, self.key
         self.graphs.run_into_outputs(batch, self.key)
         _WorkAsGraph.replays[self.key.mode] = _WorkAsGraph.replays.get(self.key.mode, 0) + 1
-        _WorkAsGraph.keys.add(self.key)
+        _WorkAsGraph.keys.add((self.key, self.graphs.group(self.key)))
 
 
 def _emulated_capture(graphs: CudaGraphRunner) -> None:
@@ -489,10 +488,10 @@ def _emulated_capture(graphs: CudaGraphRunner) -> None:
 
 @contextmanager
 def _cpu_graphs():
-    """ModelRunners built inside capture their speculative modes' graphs as on CUDA (at the
-    same point of their construction), as _WorkAsGraph graphs."""
+    """ModelRunners built inside capture the modes they are given as on CUDA (at the same
+    point of their construction), as _WorkAsGraph graphs."""
     with (
-        mock.patch.object(ModelRunner, "_graph_modes", ModelRunner.speculative_graph_modes),
+        mock.patch.object(ModelRunner, "_graph_modes", lambda runner: runner.graph_modes),
         mock.patch.object(CudaGraphRunner, "capture", _emulated_capture),
     ):
         yield
@@ -543,9 +542,9 @@ def llama_eagle_head(tiny_llama_dir, tmp_path_factory) -> str:
     return make_eagle_head(tiny_llama_dir, str(tmp_path_factory.mktemp("eagle_head")))
 
 
-# Greedy batches run each cycle as one graph (DECODE); logprobs need the verify logits, so
-# those batches replay the draft loop's, the verify's and the draft extend's graphs instead.
-_CYCLE_GRAPHS = {False: {ForwardMode.DECODE}, True: {ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE, ForwardMode.DRAFT_EXTEND}}
+# Greedy batches run each cycle as one graph (DECODE_CYCLE); logprobs need the verify logits,
+# so those batches replay the draft loop's, the verify's and the draft extend's graphs instead.
+_CYCLE_GRAPHS = {False: {ForwardMode.DECODE_CYCLE}, True: {ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE, ForwardMode.DRAFT_EXTEND}}
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -579,8 +578,8 @@ def test_captured_work_matches_eager_spec(request, case, logprobs):
 def test_captured_work_matches_eager_adaptive(tmp_path):
     """--speculative-adaptive with tiers forced to change every few cycles (1, 3 and 5 steps, a
     draft that agrees with the target on part of the tokens): each tier's cycles go through
-    its own graphs (keys carry the tier), with the eager tokens and accept length; the graphs
-    hold no other tier's programs."""
+    its own graphs (their group is the tier), with the eager tokens and accept length; the
+    graphs hold no other tier's programs."""
     from sglang.test.spec_models import make_perfect_deepseek_v3
 
     path = make_perfect_deepseek_v3(str(tmp_path / "partial"), draft_noise=0.04)
@@ -593,8 +592,8 @@ def test_captured_work_matches_eager_adaptive(tmp_path):
     _WorkAsGraph.replays, _WorkAsGraph.keys = {}, set()
     graph_ids, graph_accept = _spec_greedy(args, True, SPEC_PROMPTS, SPEC_MAX_NEW)
     assert graph_ids == eager_ids and graph_accept == eager_accept
-    assert {(k.mode, k.spec_steps, k.tokens_per_req) for k in _WorkAsGraph.keys} == {
-        (ForwardMode.DECODE, steps, steps + 1) for steps in (1, 3, 5)
+    assert {(k.mode, group, k.tokens_per_req) for k, group in _WorkAsGraph.keys} == {
+        (ForwardMode.DECODE_CYCLE, steps, steps + 1) for steps in (1, 3, 5)
     }
 
 
@@ -615,7 +614,6 @@ def test_captured_work_matches_eager_spec_dp_attention(perfect_dsv3_dir):
     idle rank's sub-forward graphs): the single-rank eager tokens, and accept length 4.0 on
     both DP ranks."""
     import torch.multiprocessing as mp
-
     from sglang.srt.server_args import PortArgs
 
     spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
@@ -625,8 +623,8 @@ def test_captured_work_matches_eager_spec_dp_attention(perfect_dsv3_dir):
     mp.spawn(_dp_spec_worker, args=(args, PortArgs.init_new(args), results), nprocs=2)
     assert results[0][0] == single[:3] and results[1][0] == single[3:]
     assert results[0][1] == results[1][1] == 4.0
-    assert results[0][2] == ["DECODE"]
-    assert results[1][2] == ["DECODE", "DRAFT_DECODE", "DRAFT_EXTEND", "TARGET_VERIFY"]
+    assert results[0][2] == ["DECODE_CYCLE"]
+    assert results[1][2] == ["DECODE_CYCLE", "DRAFT_DECODE", "DRAFT_EXTEND", "TARGET_VERIFY"]
 
 
 def _dp_adaptive_worker(rank: int, args: ServerArgs, port_args, results) -> None:
@@ -635,7 +633,7 @@ def _dp_adaptive_worker(rank: int, args: ServerArgs, port_args, results) -> None
     prompts, max_new = (SPEC_PROMPTS, [16, 4, 7]) if rank == 0 else ([[30, 31, 32, 33]], [3])
     _WorkAsGraph.keys = set()
     ids, _ = _spec_greedy(args, True, prompts, max_new, tp_rank=rank, port_args=port_args)
-    results[rank] = (ids, {(k.mode.name, k.spec_steps) for k in _WorkAsGraph.keys})
+    results[rank] = (ids, {(k.mode.name, group) for k, group in _WorkAsGraph.keys})
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -645,7 +643,6 @@ def test_captured_work_matches_eager_adaptive_dp_attention(tmp_path):
     tier's sub-forward graphs (the tier is part of the key chosen from the plan), with the
     single-rank tokens."""
     import torch.multiprocessing as mp
-
     from sglang.srt.server_args import PortArgs
     from sglang.test.spec_models import make_perfect_deepseek_v3
 
@@ -658,6 +655,6 @@ def test_captured_work_matches_eager_adaptive_dp_attention(tmp_path):
     results = mp.get_context("spawn").Manager().dict()
     mp.spawn(_dp_adaptive_worker, args=(args, PortArgs.init_new(args), results), nprocs=2)
     assert results[0][0] == single[:3] and results[1][0] == single[3:]
-    assert results[0][1] == {("DECODE", steps) for steps in (1, 3, 5)}
+    assert results[0][1] == {("DECODE_CYCLE", steps) for steps in (1, 3, 5)}
     assert results[1][1] >= {(mode, steps) for mode in ("TARGET_VERIFY", "DRAFT_EXTEND") for steps in (1, 3, 5)}
     assert {steps for mode, steps in results[1][1] if mode == "DRAFT_DECODE"} == {3, 5}  # 1 step: no draft loop

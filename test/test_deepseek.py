@@ -21,6 +21,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors import safe_open
+from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.kernels.moe.routing_config import RoutingConfig
+from sglang.srt.layers.moe import fused_moe
+from sglang.srt.layers.moe.fused_moe import moe_forward_native
+from sglang.srt.layers.moe.topk import select_experts
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+from sglang.srt.model_loader.loader import get_model
+from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MoE
+from sglang.test.model_harness import ModelHarness
+from sglang.test.tiny_deepseek import make_tiny_deepseek_v2, make_tiny_deepseek_v3
+from sglang.tools.export_nextn import main as export_main
 from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
@@ -30,19 +42,6 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3RotaryEmbedding,
     DeepseekV3TopkRouter,
 )
-
-from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.layers.moe import fused_moe
-from sglang.srt.layers.moe.fused_moe import moe_forward_native
-from sglang.srt.kernels.moe.routing_config import RoutingConfig
-from sglang.srt.layers.moe.topk import select_experts
-from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
-from sglang.srt.model_loader.loader import get_model
-from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MoE
-from sglang.tools.export_nextn import main as export_main
-from sglang.test.model_harness import ModelHarness
-from sglang.test.tiny_deepseek import make_tiny_deepseek_v2, make_tiny_deepseek_v3
 
 NEXTN = ["DeepseekV3ForCausalLMNextN"]
 PROMPT_LENS = (7, 12, 3)

@@ -335,7 +335,9 @@ def test_profile_endpoints(client, tmp_path):
     assert client.post("/start_profile").status_code == 400  # already running
     assert client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
     assert client.post("/stop_profile").status_code == 200
-    files = sorted(p.name for p in (tmp_path / "prof").iterdir())
+    deadline = time.monotonic() + 60  # the files are written after the reply, each renamed into place when complete
+    while len(files := sorted(p.name for p in (tmp_path / "prof").iterdir() if ".partial." not in p.name)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert [f.split("-TP0")[1] for f in files] == [".trace.json.gz", ".txt"]
     assert "sorted by self_cpu_time_total" in (tmp_path / "prof" / files[1]).read_text()
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM
-
+from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import initialize_model_parallel
 from sglang.srt.layers.layernorm import RMSNorm
@@ -17,10 +16,10 @@ from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLine
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.rotary_embedding import get_rope
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_loader import get_model
 from sglang.test.model_harness import ModelHarness
 from sglang.test.server_utils import find_free_port
+from transformers import AutoModelForCausalLM
 
 
 def _batch(mode: ForwardMode, extend_lens: list[int], capture=CaptureHiddenMode.NULL) -> ForwardBatch:

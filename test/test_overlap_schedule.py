@@ -4,10 +4,9 @@ nothing a user sees changes (in-process scheduler, tiny random Llama, CPU, float
 from __future__ import annotations
 
 import pytest
-
 from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
-from sglang.srt.managers.tp_worker import LaunchedStep
+from sglang.srt.model_executor.tp_worker import LaunchedStep
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 from sglang.test.inprocess_scheduler import start_scheduler
@@ -154,8 +153,7 @@ def test_decode_feeds_the_tokens_in_flight_from_the_device():
     """Tokens in flight come from the step's sampled ids: as a view when every row is the step's
     same row, else gathered row by row (other order, fewer rows, some tokens on the host)."""
     import torch
-
-    from sglang.srt.managers.schedule_batch import FutureTokens, Req, ScheduleBatch
+    from sglang.srt.batch.schedule_batch import FutureTokens, Req, ScheduleBatch
 
     def reqs(in_flight: list[bool]) -> list[Req]:
         out = []

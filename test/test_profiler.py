@@ -10,14 +10,18 @@ import pytest
 import sglang as sgl
 
 
+def _complete_files(path: str) -> list[str]:
+    """The profile files written in full (a file in progress has ".partial." in its name)."""
+    return sorted(n for n in os.listdir(path) if ".partial." not in n) if os.path.isdir(path) else []
+
+
 def _wait_for_files(path: str, count: int, timeout: float = 30.0) -> list[str]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        names = sorted(os.listdir(path)) if os.path.isdir(path) else []
-        if len(names) >= count:
+        if len(names := _complete_files(path)) >= count:
             return names
         time.sleep(0.2)
-    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+    return _complete_files(path)
 
 
 def test_every_dp_rank_profiles_and_stops_after_num_steps(tiny_llama_dir, tmp_path):

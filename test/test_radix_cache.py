@@ -1,5 +1,4 @@
 import torch
-
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
@@ -102,7 +101,7 @@ def test_table_never_hands_out_the_dummy_row():
 
 
 def _decoding_reqs(pool: ReqToTokenPool, prompts: list[list[int]]) -> list:
-    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.batch.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     reqs = []
@@ -115,8 +114,8 @@ def _decoding_reqs(pool: ReqToTokenPool, prompts: list[list[int]]) -> list:
 
 def test_decode_slots_reach_the_table_with_the_batch_upload():
     """The new slots' table entries are written by the batch's own upload, not before."""
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
-    from sglang.srt.mem_cache.req_kv import ReqKVManager
+    from sglang.srt.batch.req_kv import ReqKVManager
+    from sglang.srt.batch.schedule_batch import ScheduleBatch
     from sglang.test.sync_counter import SyncCounter
 
     pool, alloc = ReqToTokenPool(4, 8, "cpu"), TokenToKVPoolAllocator(16)

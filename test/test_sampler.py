@@ -1,5 +1,4 @@
 import torch
-
 from sglang.srt.sampling.sampler import Sampler, SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -68,7 +67,7 @@ def test_logprobs():
 def test_the_same_requests_reuse_their_sampling_parameters(tiny_llama_dir):
     """Decode step after step samples the same requests: their parameters are built once
     (unless penalties, which read the tokens so far); another batch builds its own."""
-    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.batch.schedule_batch import Req
     from sglang.srt.server_args import ServerArgs
     from sglang.test.inprocess_scheduler import start_scheduler
 

@@ -8,10 +8,9 @@ tiny random Llama, CPU, float32):
 from __future__ import annotations
 
 import pytest
-
+from sglang.srt.batch.forward_batch_info import ForwardMode
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 from sglang.test.inprocess_scheduler import DetokenizerStub, start_scheduler

@@ -26,14 +26,13 @@ import pytest
 import requests
 import torch
 import torch.multiprocessing as mp
-
+from sglang.srt.batch.forward_batch_info import ForwardMode
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import initialize_model_parallel
 from sglang.srt.distributed.scheduler_comm import GlobalPlan, LocalPlan
 from sglang.srt.layers import dp_attention
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_loader import get_model
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -188,9 +187,9 @@ def _rank_main(rank: int, server_args: ServerArgs, port_args: PortArgs, refs: di
     gathers: list[tuple] = []
     gather = dp_attention.dp_gather
 
-    def recorded_gather(local, global_num_tokens, buffer):
+    def recorded_gather(local, global_num_tokens, buffer, ranks):
         gathers.append((scheduler.iterations, tuple(global_num_tokens), local.shape[0], buffer.data_ptr()))
-        return gather(local, global_num_tokens, buffer)
+        return gather(local, global_num_tokens, buffer, ranks)
 
     record: list[dict] = []
     with mock.patch.object(dp_attention, "dp_gather", recorded_gather):

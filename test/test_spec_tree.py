@@ -9,11 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
+from sglang.srt.batch.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-from sglang.srt.sampling.sampler import Sampler, SamplingBatchInfo
 from sglang.srt.model_executor.cuda_graph_runner import PAD_KV_SLOT
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.sampling.sampler import Sampler, SamplingBatchInfo
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.speculative.draft_extend_program import DraftExtendProgram
 from sglang.srt.speculative.draft_loop import DraftLoop
 from sglang.srt.speculative.eagle_utils import (
     DraftTree,
@@ -26,8 +27,6 @@ from sglang.srt.speculative.eagle_utils import (
     verify_outcome,
     walk_tree,
 )
-from sglang.srt.speculative.draft_extend_program import DraftExtendProgram
-from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.speculative.spec_info import top_guesses
 from sglang.srt.speculative.verify_program import VerifyProgram
 from sglang.test.chi_square import chi_square, fits
@@ -220,7 +219,7 @@ def test_one_guess_is_the_greedy_token_with_score_one():
 
 def test_draft_extend_program_returns_the_guesses_and_hidden_states():
     logits, hidden = torch.randn(3, 11), torch.randn(3, 8)
-    out = DraftExtendProgram(2)(None, lambda fb: LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden))
+    out = DraftExtendProgram(2, rows_per_req=1)(None, lambda fb: LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden))
     ref_probs, ref_tokens = torch.topk(torch.softmax(logits, dim=-1), 2, dim=-1)
     assert torch.equal(out[1], ref_tokens) and torch.equal(out[2], hidden)
     torch.testing.assert_close(out[0], ref_probs)

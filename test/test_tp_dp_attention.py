@@ -21,7 +21,6 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import (
     get_attn_dp_rank,
@@ -31,7 +30,7 @@ from sglang.srt.distributed.parallel_state import (
     get_tp_group,
     initialize_model_parallel,
 )
-from sglang.srt.layers.dp_attention import dp_gather, dp_scatter, gathered_buffer_rows
+from sglang.srt.layers.dp_attention import DpRanks, dp_gather, dp_scatter, gathered_buffer_rows
 from sglang.srt.model_loader import get_model
 from sglang.test.dist_utils import spawn_gloo
 from sglang.test.model_harness import ModelHarness
@@ -164,19 +163,20 @@ def test_dp_attention_matches_single_rank(model_dir, tp, dp):
 
 def _gather_worker(rank: int, world: int, dp: int) -> None:
     initialize_model_parallel(world, rank, dp_size=dp, enable_dp_attention=True)
-    dp_rank = get_attn_dp_rank()
+    ranks = DpRanks.current()
+    dp_rank = ranks.dp_rank
     buffer = torch.full((16, 3), -1.0)
     for sizes in ([3, 0], [0, 0], [2, 5]):
         local = torch.arange(sizes[dp_rank] * 3, dtype=torch.float32).view(-1, 3) + 100 * dp_rank
         with count_collectives() as counts:
-            gathered = dp_gather(local, sizes, buffer)
+            gathered = dp_gather(local, sizes, buffer, ranks)
         assert counts == Counter({("all_reduce", "tp"): 1})
         expected = [torch.arange(n * 3, dtype=torch.float32).view(-1, 3) + 100 * d for d, n in enumerate(sizes)]
         torch.testing.assert_close(gathered, torch.cat(expected))
         assert gathered.numel() == 0 or gathered.data_ptr() == buffer.data_ptr()  # no extra copy
         with count_collectives() as counts:
-            mine = dp_scatter(gathered * 2, sizes)
-            own = dp_scatter(gathered, sizes)
+            mine = dp_scatter(gathered * 2, sizes, dp_rank)
+            own = dp_scatter(gathered, sizes, dp_rank)
         assert not counts
         torch.testing.assert_close(mine, 2 * local)
         assert own.numel() == 0 or own.data_ptr() != buffer.data_ptr()
@@ -184,16 +184,16 @@ def _gather_worker(rank: int, world: int, dp: int) -> None:
         torch.testing.assert_close(own, local)  # not a view of the buffer
     too_many = torch.zeros(sizes[dp_rank] + 1, 3)
     with pytest.raises(ValueError, match="local rows"):
-        dp_gather(too_many, sizes, buffer)
+        dp_gather(too_many, sizes, buffer, ranks)
     # One rank wrong alone: it still joins the all-reduce before raising, so its peer is not
     # left waiting, and both stay in step for the next collective.
     local = torch.ones(sizes[dp_rank] + (dp_rank == 1), 3)
     if dp_rank == 1:
         with pytest.raises(ValueError, match="local rows"):
-            dp_gather(local, sizes, buffer)
+            dp_gather(local, sizes, buffer, ranks)
     else:
-        dp_gather(local, sizes, buffer)
-    torch.testing.assert_close(dp_gather(torch.ones(sizes[dp_rank], 3), sizes, buffer), torch.ones(sum(sizes), 3))
+        dp_gather(local, sizes, buffer, ranks)
+    torch.testing.assert_close(dp_gather(torch.ones(sizes[dp_rank], 3), sizes, buffer, ranks), torch.ones(sum(sizes), 3))
 
 
 @pytest.mark.timeout(120)

@@ -21,9 +21,9 @@ from typing import Optional
 
 import torch
 
+from sglang.srt.batch.req_kv import ReqKVManager
+from sglang.srt.batch.schedule_batch import Req, ScheduleBatch
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.mem_cache.req_kv import ReqKVManager
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs, prepare_server_args

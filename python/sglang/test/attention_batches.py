@@ -7,9 +7,9 @@ from typing import Optional
 
 import torch
 
+from sglang.srt.batch.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.managers.scheduler_process import create_scheduler
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import PortArgs, ServerArgs
 
@@ -29,7 +30,7 @@ class DetokenizerStub:
 
 
 def start_scheduler(server_args: ServerArgs, tp_rank: int = 0, port_args: PortArgs | None = None) -> Scheduler:
-    scheduler = Scheduler(server_args, port_args or PortArgs.init_new(server_args), 0, tp_rank, None)
+    scheduler = create_scheduler(server_args, port_args or PortArgs.init_new(server_args), 0, tp_rank, None)
     scheduler.recv_from_tokenizer = None
     scheduler.send_to_detokenizer = DetokenizerStub()
     return scheduler

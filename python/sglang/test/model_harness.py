@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import (
     get_attn_dp_size,
@@ -24,8 +25,8 @@ from sglang.srt.distributed.parallel_state import (
     get_tp_size,
     is_dp_attention_enabled,
 )
-from sglang.srt.layers.dp_attention import gathered_buffer_rows
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.dp_attention import gathered_buffer_rows
 from sglang.srt.mem_cache.memory_pool import (
     KVPool,
     MHATokenToKVPool,
@@ -33,7 +34,6 @@ from sglang.srt.mem_cache.memory_pool import (
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 
 @dataclass

@@ -8,9 +8,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.layers.linear import linear
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.sampling.sampler import token_logprobs
 
 # Modes where every token row gets logits (no per-request "last token" pruning).

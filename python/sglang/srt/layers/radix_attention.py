@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sglang.srt.batch.forward_batch_info import ForwardBatch
 from sglang.srt.layers.deepseek_rotary import mla_rope_pack
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
 class RadixAttention(nn.Module):

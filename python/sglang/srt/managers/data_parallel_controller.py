@@ -40,7 +40,7 @@ def scheduler_ranks_on_node(server_args: ServerArgs) -> list[tuple[int, int, int
 def start_scheduler_side(server_args: ServerArgs, port_args: PortArgs, ctx, subprocesses) -> list[Connection]:
     """Start this node's scheduler processes (and the DP controller on node 0 when dp > 1).
     Returns one pipe per scheduler process; each reports a SchedulerReady."""
-    from sglang.srt.managers.scheduler import run_scheduler_process
+    from sglang.srt.managers.scheduler_process import run_scheduler_process
 
     if server_args.dp_size > 1 and server_args.node_rank == 0:
         proc = ctx.Process(

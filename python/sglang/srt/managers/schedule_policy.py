@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.batch.schedule_batch import Req
 
 
 def order_waiting(waiting: list[Req], policy: str, prefix_len: Callable[[Req], int]) -> list[Req]:

@@ -13,6 +13,9 @@ from typing import Optional
 import torch
 import zmq
 
+from sglang.srt.batch.forward_batch_info import ForwardMode
+from sglang.srt.batch.req_kv import ReqKVManager
+from sglang.srt.batch.schedule_batch import Req, ScheduleBatch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.collective_trace import CollectiveRecorder
 from sglang.srt.distributed.parallel_state import initialize_model_parallel, set_collective_recorder
@@ -23,10 +26,8 @@ from sglang.srt.distributed.scheduler_comm import (
     SchedulerComm,
     init_distributed,
 )
-from sglang.srt.sampling.sampler import NAN_TOKEN_ID
 from sglang.srt.managers.dp_load import LoadReporter
 from sglang.srt.managers.dp_prefill_align import PrefillHold, prefill_allowed
-from sglang.srt.managers.accept_check import run_accept_check
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -36,22 +37,19 @@ from sglang.srt.managers.io_struct import (
     GetInternalStateReqOutput,
     ProfileReq,
     ProfileReqOutput,
-    SchedulerReady,
     TokenizedGenerateReqInput,
 )
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting
 from sglang.srt.managers.scheduler_balance import IterationBalance
 from sglang.srt.managers.scheduler_heartbeat import IterationHeartbeat
 from sglang.srt.managers.scheduler_profiler import SchedulerProfiler
-from sglang.srt.managers.tp_worker import GenerationResult, LaunchedStep, TpModelWorker
 from sglang.srt.mem_cache.radix_cache import RadixCache
-from sglang.srt.mem_cache.req_kv import ReqKVManager
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.tp_worker import GenerationResult, LaunchedStep, TpModelWorker
+from sglang.srt.sampling.sampler import NAN_TOKEN_ID
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.speculative.adaptive import AdaptiveTiers, figures_of_plan
+from sglang.srt.speculative.eagle_worker import EAGLEWorker, target_runner_setup
 from sglang.srt.utils.hf_transformers_utils import get_server_tokenizer, resolve_model_path
-from sglang.srt.utils.triton_compile_log import TritonCompileLog
 from sglang.srt.utils.zmq_utils import shared_context
 
 logger = logging.getLogger(__name__)
@@ -85,7 +83,10 @@ class Scheduler:
         )
         self.tokenizer = get_server_tokenizer(server_args)  # None: stop strings are refused upstream
         self.eos_ids = _eos_ids(self.model_config.hf_config, self.tokenizer)
-        target = TpModelWorker(server_args, self.model_config, gpu_id, tp_rank)
+        speculative = server_args.speculative_algorithm is not None
+        # A speculative worker's target runner is sized and captured for its cycles.
+        runner_setup = target_runner_setup(server_args) if speculative else ()
+        target = TpModelWorker(server_args, self.model_config, gpu_id, tp_rank, *runner_setup)
         self.runner = runner = target.runner
         self.context_len = self.model_config.context_len
         self.max_running_requests = runner.max_running_requests
@@ -96,9 +97,7 @@ class Scheduler:
         target.kv = self.kv
         self.worker = target
         self.spec_worker = None
-        if server_args.speculative_algorithm is not None:
-            from sglang.srt.speculative.eagle_worker import EAGLEWorker
-
+        if speculative:
             self.worker = self.spec_worker = EAGLEWorker(server_args, target, gpu_id, tp_rank)
         # --speculative-adaptive: each decode cycle's tier (draft steps), decided alike on every rank.
         self.adaptive = AdaptiveTiers.from_server_args(server_args) if server_args.speculative_adaptive else None
@@ -154,8 +153,6 @@ class Scheduler:
         if server_args.debug_collectives and server_args.tp_size > 1:
             self.collective_recorder = CollectiveRecorder()
             set_collective_recorder(self.collective_recorder)
-        if server_args.speculative_accept_check:
-            run_accept_check(self)
 
     def init_distributed(self, port_args: PortArgs, tp_rank: int, dp_rank: Optional[int]) -> SchedulerComm:
         """torch.distributed over the ranks of this model replica, then the model-parallel groups."""
@@ -743,55 +740,3 @@ def _eos_ids(hf_config, tokenizer) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
-
-
-def configure_logger(server_args: ServerArgs, prefix: str = "") -> None:
-    fmt = f"[%(asctime)s{prefix}] %(message)s"
-    logging.basicConfig(level=server_args.log_level.upper(), format=fmt, datefmt="%Y-%m-%d %H:%M:%S", force=True)
-
-
-def run_scheduler_process(
-    server_args: ServerArgs,
-    port_args: PortArgs,
-    gpu_id: int,
-    tp_rank: int,
-    dp_rank: Optional[int],
-    pipe_writer,
-) -> None:
-    if server_args.enable_dp_attention:
-        dp_rank_label: Optional[int] = tp_rank // server_args.attn_tp_size
-    else:
-        dp_rank_label = dp_rank
-    prefix = (f" DP{dp_rank_label}" if dp_rank_label is not None else "") + f" TP{tp_rank}"
-    configure_logger(server_args, prefix)
-    from sglang.srt.utils.process import watch_parent
-    from sglang.srt.utils.progress import show_progress
-
-    show_progress(tp_rank == 0 and not dp_rank)  # one rank reports the weight loading
-
-    watch_parent()
-    torch.manual_seed(server_args.random_seed)
-    compile_log = TritonCompileLog()
-    compile_log.install()
-    try:
-        scheduler = Scheduler(server_args, port_args, gpu_id, tp_rank, dp_rank)
-    except Exception as e:  # report the cause to the launcher instead of dying silently
-        logger.exception("Scheduler failed to start")
-        pipe_writer.send(SchedulerReady(dp_rank or 0, tp_rank, 0, 0, 0, error=f"{type(e).__name__}: {e}"))
-        return
-    pipe_writer.send(
-        SchedulerReady(
-            dp_rank or 0,
-            tp_rank,
-            scheduler.allocator.size,
-            scheduler.max_req_input_len,
-            scheduler.context_len,
-        )
-    )
-    compile_log.start_serving()
-    scheduler.start_watchdog()
-    try:
-        scheduler.event_loop()
-    except Exception:
-        logger.exception("Scheduler crashed")
-        os._exit(1)

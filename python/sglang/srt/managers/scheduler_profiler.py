@@ -83,13 +83,16 @@ class SchedulerProfiler:
 
 
 def _write_profile(prof: profile, stem: str) -> None:
+    """Each file appears under its name only once complete (written aside, then renamed)."""
     try:
-        prof.export_chrome_trace(stem + ".trace.json.gz")
+        prof.export_chrome_trace(stem + ".partial.trace.json.gz")
+        os.replace(stem + ".partial.trace.json.gz", stem + ".trace.json.gz")
         averages = prof.key_averages()
         orders = (["self_cuda_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]
-        with open(stem + ".txt", "w") as f:
+        with open(stem + ".partial.txt", "w") as f:
             for order in orders:
                 f.write(f"sorted by {order}\n{averages.table(sort_by=order, row_limit=_TABLE_ROWS)}\n")
+        os.replace(stem + ".partial.txt", stem + ".txt")
     except OSError as e:  # e.g. the directory was removed meanwhile: the scheduler goes on
         logger.error("Could not write the profile %s: %s", stem, e)
         return

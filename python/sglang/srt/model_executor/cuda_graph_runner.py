@@ -1,9 +1,9 @@
 """CUDA graphs for fixed-shape forwards.
 
 One runner per ModelRunner. A graph is keyed by a frozen `GraphKey` (mode, padded per-rank
-batch size, tokens per request, tree width, speculative tier) and replays the attention-metadata build *and* the model
-forward together, reading nothing but the runner's static input buffers, the weights and
-the KV pool. Because the metadata is rebuilt inside every replay, nothing a graph reads at
+batch size, tokens per request, tree width, the program it runs) and replays the
+attention-metadata build *and* the model forward together, reading nothing but the runner's
+static input buffers, the weights and the KV pool. Because the metadata is rebuilt inside every replay, nothing a graph reads at
 replay time lives in the shared memory pool, so all graphs can share one pool safely.
 
 Invariants:
@@ -18,9 +18,8 @@ Invariants:
 - under DP attention the choice depends only on the iteration plan (the same on every rank):
   when no DP rank extends, every rank replays the decode graph padded to the largest DP
   rank's batch, idle ranks included, so the gathers inside the graphs line up;
-- a speculative sub-forward replays only a graph of its own tier (`ForwardBatch.spec_steps`,
-  the same on every rank): tiers share the static inputs and the memory pool, never a graph
-  or an output buffer.
+- a program's batch replays only a graph captured with that program: modes share the static
+  inputs and the memory pool, never a graph or an output buffer.
 """
 
 from __future__ import annotations
@@ -29,15 +28,14 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
+from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.distributed.parallel_state import record_graph_replay
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.mem_cache.memory_pool import DUMMY_KV_SLOT, DUMMY_REQ_ROW
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
-from sglang.srt.speculative.spec_info import SpecInput
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -83,32 +81,46 @@ class ForwardFn(Protocol):
 class GraphProgram(Protocol):
     """Work of several forwards captured as one graph (e.g. the whole draft loop). Called with
     the mode's batch and the forward to run each forward with; returns per-request outputs
-    ([batch_size, ...] each). Programs compare by value (frozen dataclasses)."""
+    ([batch_size, ...] each). Programs are hashable (graphs are looked up by them): frozen
+    dataclasses compared by value, or as objects when they hold state; their repr is the same on
+    every rank (it is part of GraphKey's, which --debug-collectives compares)."""
 
     def __call__(self, fb: ForwardBatch, forward: ForwardFn) -> tuple[torch.Tensor, ...]: ...
 
 
 @dataclass(frozen=True)
+class SpecInfoLayout:
+    """The per-token tensors of a mode's ForwardBatch.spec_info, which its graphs read from
+    static buffers: (attribute, row shape, dtype) of each, and `make`, which builds the
+    spec_info from such tensors passed by attribute name. Modes share the buffer of an
+    attribute of the same shape and dtype."""
+
+    fields: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+    make: Callable[..., Any]
+
+
+@dataclass(frozen=True)
 class CapturedMode:
-    """How the forwards of one mode are captured (every request has the same token count)."""
+    """How the batches of one mode are captured (every request has the same token count)."""
 
     tokens_per_req: int
     tree_cols: tuple[int, ...] = (0,)  # tree-mask widths, one graph each (0: no mask)
     capture_hidden: CaptureHiddenMode = CaptureHiddenMode.NULL
-    draft_input: bool = False  # hidden states come in through spec_info (draft forwards)
-    logits_at_rows: bool = False  # logits at one given row per request (draft extend)
-    draft_scores: bool = False  # spec_info also carries each input token's draft score
-    program: Optional[GraphProgram] = None  # the captured work; None: one model forward
+    logits_at_rows: bool = False  # logits at one given row per request (fb.logits_indices)
+    spec_info: Optional[SpecInfoLayout] = None  # what the batch's spec_info carries (None: no spec_info)
     outputs_as_views: bool = False  # replay returns views of the output buffers (no copies)
-    slots_only: bool = False  # the work reads only its batch's table rows and KV slots (a decode cycle)
+    slots_only: bool = False  # the batch carries only its table rows and KV slots (all a program reads)
+    # Modes of one group are captured together, larger groups first; capture_mib reports the
+    # GPU memory each group added under its number (0: the modes of no group).
+    group: int = 0
 
 
 class ModeKey(NamedTuple):
-    """A captured mode: its forward mode and, for a speculative sub-forward, the draft steps of
-    its tier (0 outside speculation). Tiers capture the same forward modes with other programs."""
+    """A captured mode: the forward mode of its batches and the program that runs them (None:
+    one model forward). Several programs may be captured for one forward mode."""
 
     mode: ForwardMode
-    spec_steps: int = 0
+    program: Optional[GraphProgram] = None
 
 
 @dataclass(frozen=True)
@@ -119,11 +131,11 @@ class GraphKey:
     batch_size: int  # padded requests on this rank
     tokens_per_req: int
     tree_cols: int = 0  # tree-mask width (0: no tree mask)
-    spec_steps: int = 0  # the speculative tier's draft steps (0 outside speculation)
+    program: Optional[GraphProgram] = None  # the captured work (None: one model forward)
 
     @property
     def mode_key(self) -> ModeKey:
-        return ModeKey(self.mode, self.spec_steps)
+        return ModeKey(self.mode, self.program)
 
     @property
     def num_tokens(self) -> int:
@@ -192,10 +204,10 @@ class StaticInputs:
         device: torch.device | str,
         dp_size: Optional[int] = None,
         max_tree_cols: int = 0,
-        hidden: Optional[tuple[int, torch.dtype]] = None,
+        spec_info_layouts: Sequence[SpecInfoLayout] = (),
     ):
         """dp_size: DP attention's rank count (every rank contributes the same padded rows);
-        max_tree_cols: widest tree mask; hidden: (size, dtype) of draft input hidden states."""
+        max_tree_cols: widest tree mask; spec_info_layouts: those of the captured modes."""
         self.dp_size = dp_size
         max_tokens = max_bs * max_tokens_per_req
         self.device = device
@@ -209,8 +221,10 @@ class StaticInputs:
         self.req_pool_indices, self.seq_lens, self.extend_seq_lens = self.int_rows[_TOKEN_ROWS:, :max_bs]
         self.logits_indices = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.custom_mask = torch.ones(max_tokens * max_tree_cols, dtype=torch.bool, device=device)
-        self.hidden_states = None if hidden is None else torch.zeros((max_tokens, hidden[0]), dtype=hidden[1], device=device)
-        self.draft_scores = torch.zeros(max_tokens, dtype=torch.float32, device=device)
+        # One buffer per spec_info attribute (of a shape and dtype), for every mode that carries it.
+        self.spec_buffers = {
+            f: torch.zeros((max_tokens, *f[1]), dtype=f[2], device=device) for layout in spec_info_layouts for f in layout.fields
+        }
 
     def load(self, fb: ForwardBatch, key: GraphKey, mode: CapturedMode) -> ForwardBatch:
         """Copy fb into the buffers, pad rows fb.batch_size..key.batch_size, and return the
@@ -240,10 +254,8 @@ class StaticInputs:
                 self.int_rows[_TOKEN_ROWS:, :bs].copy_(torch.stack(requests))
             if key.tree_cols:
                 self.custom_mask[: n * key.tree_cols].copy_(fb.custom_mask.flatten())
-            if mode.draft_input:
-                self.hidden_states[:n].copy_(fb.spec_info.hidden_states)
-            if mode.draft_scores:
-                self.draft_scores[:n].copy_(fb.spec_info.scores)
+            for f, buffer in self._spec_buffers(mode):
+                buffer[:n].copy_(getattr(fb.spec_info, f[0]))
             if mode.logits_at_rows:
                 self.logits_indices[:bs].copy_(fb.logits_indices)
         self._pad(key, mode, bs, n)
@@ -267,18 +279,21 @@ class StaticInputs:
             self.int_rows[_TOKEN_ROWS:, rows:bs].copy_(column[_TOKEN_ROWS:].expand(-1, bs - rows))
         if key.tree_cols:  # padded rows see their whole (padding) tree
             self.custom_mask[tokens * key.tree_cols : n * key.tree_cols].fill_(True)
-        if mode.draft_input:
-            self.hidden_states[tokens:n].zero_()
-        if mode.draft_scores:
-            self.draft_scores[tokens:n].zero_()
+        for _, buffer in self._spec_buffers(mode):
+            buffer[tokens:n].zero_()
         if mode.logits_at_rows:  # a padded request's logits row: its own last token
             pad = torch.arange(rows, bs, device=self.logits_indices.device)
             self.logits_indices[rows:bs].copy_(pad * tpr + tpr - 1)
 
-    def _spec_input(self, n: int, mode: CapturedMode) -> Optional[SpecInput]:
-        if not mode.draft_input:
+    def _spec_buffers(self, mode: CapturedMode) -> list[tuple[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor]]:
+        """(field, buffer) of each spec_info attribute the mode's batches carry."""
+        return [] if mode.spec_info is None else [(f, self.spec_buffers[f]) for f in mode.spec_info.fields]
+
+    def _spec_info(self, n: int, mode: CapturedMode) -> Any:
+        """The spec_info over the buffers' first n rows (None for a mode without one)."""
+        if mode.spec_info is None:
             return None
-        return SpecInput(self.hidden_states[:n], self.draft_scores[:n] if mode.draft_scores else None)
+        return mode.spec_info.make(**{f[0]: buffer[:n] for f, buffer in self._spec_buffers(mode)})
 
     def _pad_column(self, seq_len: int, tokens_per_req: int) -> torch.Tensor:
         """A padded row's int_rows column [6, 1]: token 0 at position 0 writing the dummy slot,
@@ -310,10 +325,9 @@ class StaticInputs:
             custom_mask=self.custom_mask[: n * key.tree_cols].view(n, key.tree_cols) if key.tree_cols else None,
             capture_hidden_mode=mode.capture_hidden,
             logits_indices=self.logits_indices[:bs] if mode.logits_at_rows else None,
-            spec_info=self._spec_input(n, mode),
+            spec_info=self._spec_info(n, mode),
             global_num_tokens=None if self.dp_size is None else [n] * self.dp_size,
             global_forward_mode=None if self.dp_size is None else key.mode,
-            spec_steps=key.spec_steps,
         )
 
 
@@ -328,10 +342,9 @@ class CudaGraphRunner:
         batch_sizes: Sequence[int],
         disable_padding: bool,
         dp_size: Optional[int] = None,
-        hidden: Optional[tuple[int, torch.dtype]] = None,
     ):
         """modes: how each captured mode is captured; batch_sizes: per-rank sizes (identical
-        on every rank); dp_size: set under DP attention; hidden: (size, dtype) of hidden states."""
+        on every rank); dp_size: set under DP attention."""
         if not batch_sizes:
             raise ValueError("no CUDA graph batch sizes to capture")
         self.model_runner = model_runner
@@ -339,23 +352,20 @@ class CudaGraphRunner:
         self.batch_sizes = sorted(batch_sizes)
         self.disable_padding = disable_padding
         self.keys = [
-            GraphKey(m.mode, b, spec.tokens_per_req, cols, m.spec_steps)
+            GraphKey(m.mode, b, spec.tokens_per_req, cols, m.program)
             for m, spec in self.modes.items()
             for cols in spec.tree_cols
             for b in self.batch_sizes
         ]
         self.max_bs = self.batch_sizes[-1]
         self.max_tokens_per_req = max(spec.tokens_per_req for spec in self.modes.values())
-        draft_input = any(spec.draft_input for spec in self.modes.values())
-        if draft_input and hidden is None:
-            raise ValueError("modes with draft inputs need the hidden size and dtype")
         self.inputs = StaticInputs(
             self.max_bs,
             self.max_tokens_per_req,
             model_runner.device,
             dp_size,
             max(cols for spec in self.modes.values() for cols in spec.tree_cols),
-            hidden if draft_input else None,
+            list(dict.fromkeys(spec.spec_info for spec in self.modes.values() if spec.spec_info is not None)),
         )
         # Graphs bake in this table's address; a batch over a replaced table runs eagerly.
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
@@ -364,17 +374,18 @@ class CudaGraphRunner:
         # per request (sized for the largest batch; a replay's outputs are their first rows).
         self.outputs: dict[ModeKey, list[tuple[torch.Tensor, int]]] = {}
         self.num_replays = 0  # idle DP ranks replay too: they count here
-        # GPU memory the capture took per speculative tier (draft steps; 0 outside speculation),
-        # in capture order: a tier's figure is what it added to the tiers captured before it.
+        # GPU memory the capture took per group (CapturedMode.group), in capture order: a
+        # group's figure is what it added to the groups captured before it.
         self.capture_mib: dict[int, float] = {}
 
     # ------------------------------------------------------------------ choice
-    def key_for(self, fb: ForwardBatch) -> Optional[GraphKey]:
-        """The captured key that replays fb, or None. Host values only."""
+    def key_for(self, fb: ForwardBatch, program: Optional[GraphProgram] = None) -> Optional[GraphKey]:
+        """The captured key that replays fb run by `program` (None: one model forward), or None.
+        Host values only."""
         if fb.req_to_token_pool.req_to_token is not self.req_to_token:
             return None
         if fb.global_num_tokens is not None:
-            key = self.dp_key(fb.global_forward_mode, fb.global_num_tokens, _tree_cols(fb), fb.spec_steps)
+            key = self.dp_key(fb.global_forward_mode, fb.global_num_tokens, _tree_cols(fb), program)
             fits = (
                 key is not None
                 and fb.mode in (key.mode, ForwardMode.IDLE)
@@ -382,14 +393,14 @@ class CudaGraphRunner:
                 and self._matches(fb, self.modes[key.mode_key], key.tree_cols)
             )
             return key if fits else None
-        mode = self.modes.get(ModeKey(fb.mode, fb.spec_steps))
+        mode = self.modes.get(ModeKey(fb.mode, program))
         if mode is None or fb.batch_size < 1 or fb.num_tokens != fb.batch_size * mode.tokens_per_req:
             return None
         tree_cols = _tree_cols(fb)
         if tree_cols not in mode.tree_cols or not self._matches(fb, mode, tree_cols):
             return None
         bs = padded_batch_size(fb.batch_size, self.batch_sizes, self.disable_padding)
-        return None if bs is None else GraphKey(fb.mode, bs, mode.tokens_per_req, tree_cols, fb.spec_steps)
+        return None if bs is None else GraphKey(fb.mode, bs, mode.tokens_per_req, tree_cols, program)
 
     @staticmethod
     def _matches(fb: ForwardBatch, mode: CapturedMode, tree_cols: int) -> bool:
@@ -399,7 +410,7 @@ class CudaGraphRunner:
         return (
             (fb.custom_mask is not None) == (tree_cols > 0)
             and fb.capture_hidden_mode == mode.capture_hidden
-            and (fb.spec_info is not None) == mode.draft_input
+            and (fb.spec_info is not None) == (mode.spec_info is not None)
             and (fb.logits_indices is not None) == mode.logits_at_rows
         )
 
@@ -408,30 +419,33 @@ class CudaGraphRunner:
         global_mode: Optional[ForwardMode],
         global_num_tokens: Sequence[int],
         tree_cols: int = 0,
-        spec_steps: int = 0,
+        program: Optional[GraphProgram] = None,
     ) -> Optional[GraphKey]:
         """DP attention: the key every rank replays in this forward, from the plan alone (so all
-        ranks choose alike; tree_cols and the speculative tier too are the same on every rank,
-        idle ones included): the graph of the largest DP rank's batch, or None (all eager)."""
-        mode = self.modes.get(ModeKey(global_mode, spec_steps)) if global_mode is not None else None
+        ranks choose alike; tree_cols and the program too are the same on every rank, idle ones
+        included): the graph of the largest DP rank's batch, or None (all eager)."""
+        mode = self.modes.get(ModeKey(global_mode, program)) if global_mode is not None else None
         if self.inputs.dp_size is None or mode is None or tree_cols not in mode.tree_cols:
             return None
         tpr = mode.tokens_per_req
         if any(n % tpr for n in global_num_tokens):
             return None
         bs = padded_batch_size(max(global_num_tokens) // tpr, self.batch_sizes, self.disable_padding)
-        return None if bs is None else GraphKey(global_mode, bs, tpr, tree_cols, spec_steps)
+        return None if bs is None else GraphKey(global_mode, bs, tpr, tree_cols, program)
 
     # ------------------------------------------------------------------ capture
+    def group(self, key: GraphKey) -> int:
+        return self.modes[key.mode_key].group
+
     def capture_order(self) -> list[GraphKey]:
-        """Largest tier first, and in each tier the largest key first (later, smaller graphs
+        """Largest group first, and in each group the largest key first (later, smaller graphs
         reuse the pool's memory)."""
-        return sorted(self.keys, key=lambda k: (k.spec_steps, k.num_tokens, k.tree_cols, k.batch_size), reverse=True)
+        return sorted(self.keys, key=lambda k: (self.group(k), k.num_tokens, k.tree_cols, k.batch_size), reverse=True)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every key (capture_order) into one memory pool; log progress and the memory
-        each tier took."""
+        each group took."""
         runner = self.model_runner
         device = torch.device(runner.device)
         runner.attn_backend.init_cuda_graph_state(
@@ -454,15 +468,15 @@ class CudaGraphRunner:
                     f"--mem-fraction-static, or pass --disable-cuda-graph."
                 ) from e
             logger.info("Captured CUDA graph %d/%d: %s", i + 1, len(ordered), key)
-            if i + 1 == len(ordered) or ordered[i + 1].spec_steps != key.spec_steps:  # the tier's last graph
+            if i + 1 == len(ordered) or self.group(ordered[i + 1]) != self.group(key):  # the group's last graph
                 torch.cuda.synchronize(device)
                 free, before = torch.cuda.mem_get_info(device)[0], free
-                self.capture_mib[key.spec_steps] = (before - free) / _MIB
-        tiers = ", ".join(f"{steps} steps {mib:.0f} MiB" for steps, mib in self.capture_mib.items() if steps)
+                self.capture_mib[self.group(key)] = (before - free) / _MIB
+        groups = ", ".join(f"{group}: {mib:.0f} MiB" for group, mib in self.capture_mib.items() if group)
         logger.info(
             "CUDA graphs: %d captured (batch sizes %s, modes %s) in %.1f s, %.0f MiB of GPU memory%s",
             len(ordered), self.batch_sizes, sorted({m.mode.name for m in self.modes}), time.perf_counter() - start,
-            (free_before - free) / _MIB, f" (per speculative tier: {tiers})" if tiers else "",
+            (free_before - free) / _MIB, f" (per group: {groups})" if groups else "",
         )
 
     def captured_forward(self, fb: ForwardBatch, runner: Optional["ModelRunner"] = None) -> LogitsProcessorOutput:
@@ -476,9 +490,8 @@ class CudaGraphRunner:
 
     def _run(self, fb: ForwardBatch, key: GraphKey) -> tuple[torch.Tensor, ...]:
         """The captured work of key's mode: its program, or one forward (logits[, hidden])."""
-        program = self.modes[key.mode_key].program
-        if program is not None:
-            return program(fb, self.captured_forward)
+        if key.program is not None:
+            return key.program(fb, self.captured_forward)
         out = self.captured_forward(fb)
         return (out.next_token_logits,) if out.hidden_states is None else (out.next_token_logits, out.hidden_states)
 
@@ -522,6 +535,6 @@ class CudaGraphRunner:
         outs = tuple(buffer[: fb.batch_size * per_req] for buffer, per_req in self.outputs[key.mode_key])
         if not mode.outputs_as_views:
             outs = tuple(t.clone() for t in outs)
-        if mode.program is not None:
+        if key.program is not None:
             return outs
         return LogitsProcessorOutput(next_token_logits=outs[0], hidden_states=outs[1] if len(outs) > 1 else None)

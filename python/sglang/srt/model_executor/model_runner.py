@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
+from sglang.srt.batch.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import init_ipc_collectives, max_over_ranks, min_over_ranks
 from sglang.srt.layers.attention import create_attention_backend
@@ -31,10 +33,8 @@ from sglang.srt.model_executor.cuda_graph_runner import (
     ModeKey,
     capture_batch_sizes,
 )
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_loader import get_model
 from sglang.srt.server_args import ServerArgs
-from sglang.srt.speculative.spec_plan import SpecSizes
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,15 @@ def ipc_slot_bytes(args: ServerArgs, local_rows: int, hidden: int, vocab: int, i
     return min(tp_bytes, _IPC_SLOT_CAP_BYTES), min(attn_bytes, _IPC_SLOT_CAP_BYTES)
 
 
+@dataclass(frozen=True)
+class RunnerShapes:
+    """What a runner sizes beyond one token per request and the context (the defaults)."""
+
+    tokens_per_request: int = 1  # most rows one request feeds a forward outside prefill
+    table_extra_columns: int = 0  # request->token table columns a request may use past the context
+    kv_layers_sharing_slots: int = 0  # KV layers of another runner's pool on this runner's slots
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -81,23 +90,22 @@ class ModelRunner:
         req_to_token_pool: Optional[ReqToTokenPool] = None,
         token_allocator: Optional[TokenToKVPoolAllocator] = None,
         gathered_buffer: Optional[torch.Tensor] = None,
-        is_draft: bool = False,
         embed_and_head: Optional[tuple[nn.Parameter, nn.Parameter]] = None,
-        draft_programs: Optional[dict[int, tuple[Optional[GraphProgram], GraphProgram]]] = None,
+        shapes: RunnerShapes = RunnerShapes(),
+        graph_modes: Optional[dict[ModeKey, CapturedMode]] = None,
+        open_ipc_collectives: bool = True,
     ):
-        """A draft runner (is_draft) passes the target's req_to_token_pool and allocator (shared
-        slots), under DP attention the target's gathered buffer (one buffer per rank), the
-        target's embedding and LM head, which its model uses instead of its own, and per
-        speculative tier (its draft steps) the draft loop and decode cycle that its CUDA graphs
-        capture."""
+        """A runner that shares another's KV slots passes its req_to_token_pool and allocator,
+        under DP attention its gathered buffer (one buffer per rank), and the embedding and LM
+        head its model uses instead of its own (all in place before capture). graph_modes: what
+        its CUDA graphs capture (default: one-token decode). open_ipc_collectives: False when
+        another runner of the process has opened the IPC buffers, sized for its forwards and
+        this one's."""
         self.model_config = model_config
         self.server_args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.is_draft = is_draft
-        self.draft_programs = draft_programs or {}
-        # Speculative tiers, ascending; the largest sizes the buffers and the request->token table.
-        self.spec_tiers = SpecSizes.tiers(server_args) if server_args.speculative_algorithm else ()
-        self.spec_sizes = self.spec_tiers[-1] if self.spec_tiers else None
+        self.shapes = shapes
+        self.graph_modes = {ModeKey(ForwardMode.DECODE): CapturedMode(1)} if graph_modes is None else graph_modes
         # KV heads are sharded over the attention-TP group (all of TP unless DP attention).
         self.attn_tp_size = server_args.attn_tp_size
         self.device = f"cuda:{gpu_id}" if server_args.device == "cuda" else "cpu"
@@ -114,14 +122,12 @@ class ModelRunner:
         self.kv_bytes_per_token = self._kv_bytes_per_token()
         self.max_total_num_tokens = self._profile_max_num_tokens(token_allocator)
         self.max_running_requests = self._max_running_requests()
-        # Speculative trees are laid out past a request's KV (at most the context).
-        tree_width = self.spec_sizes.tree_row_width if self.spec_sizes else 0
         self.req_to_token_pool = req_to_token_pool or ReqToTokenPool(
-            self.max_running_requests, model_config.context_len + max(8, tree_width), self.device
+            self.max_running_requests, model_config.context_len + max(8, shapes.table_extra_columns), self.device
         )
         self.token_allocator = token_allocator or TokenToKVPoolAllocator(self.max_total_num_tokens)
         self.kv_pool = self._make_kv_pool()
-        if not is_draft:  # the draft's forwards use the same groups and buffers
+        if open_ipc_collectives:
             self._init_ipc_collectives()
         self.gathered_buffer = gathered_buffer
         if server_args.enable_dp_attention and gathered_buffer is None:
@@ -170,10 +176,10 @@ class ModelRunner:
                 )
         else:
             budget = min(_CPU_KV_BUDGET_BYTES, _CPU_MAX_KV_TOKENS * self.kv_bytes_per_token)
-        # A speculative draft (NextN layer or EAGLE head: one decoder layer) later gets a KV pool
-        # with the same slots, so each slot also pays for one more layer of KV.
-        draft_layers = 1 if self.server_args.speculative_algorithm is not None else 0
-        per_token = self.kv_bytes_per_token * (self.num_kv_layers + draft_layers) / self.num_kv_layers
+        # Another runner's KV pool on the same slots (shapes.kv_layers_sharing_slots) makes each
+        # slot pay for its layers too.
+        layers = self.num_kv_layers + self.shapes.kv_layers_sharing_slots
+        per_token = self.kv_bytes_per_token * layers / self.num_kv_layers
         tokens = int(budget // per_token)
         if self.server_args.max_total_tokens is not None:
             tokens = min(tokens, self.server_args.max_total_tokens)
@@ -202,14 +208,6 @@ class ModelRunner:
         kv_heads = cfg.get_num_kv_heads(self.attn_tp_size)
         return MHATokenToKVPool(size, self.dtype, kv_heads, cfg.head_dim, self.num_kv_layers, self.device)
 
-    def _tokens_per_request(self) -> int:
-        """Most rows one request feeds a forward outside prefill (a speculative cycle's largest
-        sub-forward of the largest tier: draft steps, verify, draft extend)."""
-        sizes = self.spec_sizes
-        if sizes is None:
-            return 1
-        return max(sizes.num_draft_tokens, sizes.topk, sizes.draft_extend_rows)
-
     def _init_ipc_collectives(self) -> None:
         """The IPC buffers of this replica's groups, sized for the largest message the model
         sends (agreed across ranks): under DP attention the MLP's all-reduce over every rank's
@@ -224,7 +222,7 @@ class ModelRunner:
         if any(not torch.cuda.can_device_access_peer(a, b) for a in gpus for b in gpus if a != b):
             logger.info("IPC collectives off: GPUs %s lack peer access (NCCL only)", gpus)
             return
-        local_rows = max(self.prefill_token_budget(), self.max_running_requests * self._tokens_per_request())
+        local_rows = max(self.prefill_token_budget(), self.max_running_requests * self.shapes.tokens_per_request)
         cfg = self.model_config
         tp_bytes, attn_bytes = ipc_slot_bytes(
             args, max_over_ranks(local_rows), cfg.hidden_size, cfg.vocab_size, self.dtype.itemsize
@@ -232,10 +230,10 @@ class ModelRunner:
         init_ipc_collectives(tp_bytes, attn_bytes, torch.device(self.device))
 
     def _make_gathered_buffer(self) -> torch.Tensor:
-        """The one DP-attention gather buffer of this rank, sized for its largest sub-forward
-        (a speculative cycle's draft steps, verify and draft extend all fit in it)."""
+        """The one DP-attention gather buffer of this rank, sized for its largest forward (and
+        those of the runners it is passed to)."""
         args = self.server_args
-        tokens_per_request = self._tokens_per_request()
+        tokens_per_request = self.shapes.tokens_per_request
         rows = gathered_buffer_rows(
             self.max_running_requests, tokens_per_request, self.prefill_token_budget(), args.dp_size
         )
@@ -275,22 +273,10 @@ class ModelRunner:
         args = self.server_args
         if args.disable_cuda_graph or args.device != "cuda":
             return {}
-        reason = None
         if not isinstance(self.attn_backend, GraphCapturableBackend):
-            reason = f"--attention-backend {args.attention_backend} cannot be captured"
-        if reason:
-            logger.info("CUDA graphs off: %s", reason)
+            logger.info("CUDA graphs off: --attention-backend %s cannot be captured", args.attention_backend)
             return {}
-        if self.spec_sizes is not None:
-            return self.speculative_graph_modes()
-        return {ModeKey(ForwardMode.DECODE): CapturedMode(1)}
-
-    def speculative_graph_modes(self) -> dict[ModeKey, CapturedMode]:
-        """The speculative sub-forwards this runner's graphs capture (target or draft), of every tier."""
-        modes: dict[ModeKey, CapturedMode] = {}
-        for sizes in self.spec_tiers:
-            modes.update(sizes.captured_modes(self.is_draft, *self.draft_programs.get(sizes.steps, (None, None))))
-        return modes
+        return self.graph_modes
 
     def _make_graph_runner(self) -> Optional[CudaGraphRunner]:
         modes = self._graph_modes()
@@ -304,8 +290,7 @@ class ModelRunner:
             logger.info("CUDA graphs off: no batch size to capture")
             return None
         dp_size = args.dp_size if args.enable_dp_attention else None
-        hidden = (self.model_config.hidden_size, self.dtype)
-        runner = CudaGraphRunner(self, modes, sizes, args.disable_cuda_graph_padding, dp_size, hidden)
+        runner = CudaGraphRunner(self, modes, sizes, args.disable_cuda_graph_padding, dp_size)
         runner.capture()
         return runner
 
@@ -324,15 +309,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_program(self, forward_batch: ForwardBatch, program: GraphProgram) -> tuple[torch.Tensor, ...]:
-        """Several forwards as one unit (e.g. the draft loop): its graph when the batch fits
-        one captured with this program, else the program over eager forwards."""
+        """Several forwards as one unit (e.g. a draft loop): its graph when the batch fits one
+        captured with this program, else the program over eager forwards."""
         return self.run(forward_batch, program)
 
     def run(self, forward_batch: ForwardBatch, program: Optional[GraphProgram] = None):
         self.attach(forward_batch)
         if self.graph_runner is not None:
-            key = self.graph_runner.key_for(forward_batch)
-            if key is not None and self.graph_runner.modes[key.mode_key].program == program:
+            key = self.graph_runner.key_for(forward_batch, program)
+            if key is not None:
                 return self.graph_runner.replay(forward_batch, key)
         if program is not None:
             return program(forward_batch, self.forward_eager)
@@ -341,7 +326,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_eager(self, forward_batch: ForwardBatch, runner: Optional["ModelRunner"] = None) -> LogitsProcessorOutput:
         """One eager forward of this runner's model, or of `runner`'s (a program spanning two
-        runners: the speculative decode cycle)."""
+        runners)."""
         runner = runner or self
         runner.attach(forward_batch)
         runner.attn_backend.init_forward_metadata(forward_batch)

@@ -19,7 +19,7 @@ from transformers import PretrainedConfig
 from sglang.srt.distributed.parallel_state import get_attn_tp
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.batch.forward_batch_info import ForwardBatch
 
 
 class DecoderModel(nn.Module):

@@ -7,12 +7,17 @@ from typing import Optional
 import torch
 from torch import nn
 
-from sglang.srt.layers.dp_attention import mlp_over_dp
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.batch.forward_batch_info import ForwardBatch
+from sglang.srt.layers.dp_attention import DpRanks, mlp_over_dp
 
 
 class PreNormDecoderLayer(nn.Module):
-    """Subclasses set self_attn, mlp, input_layernorm and post_attention_layernorm."""
+    """Subclasses set self_attn, mlp, input_layernorm and post_attention_layernorm. The DP ranks
+    that the MLP gathers over (DP attention) are read once, when the layer is built."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dp_ranks = DpRanks.current()
 
     def forward(
         self,
@@ -35,4 +40,4 @@ class PreNormDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp(post_attention_layernorm(attn_out + residual)), attn_out + residual)."""
         hidden_states, residual = self.post_attention_layernorm(attn_out, residual)
-        return mlp_over_dp(self.mlp, hidden_states, forward_batch), residual
+        return mlp_over_dp(self.mlp, hidden_states, forward_batch, self.dp_ranks), residual

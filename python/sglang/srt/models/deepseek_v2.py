@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from sglang.srt.batch.forward_batch_info import ForwardBatch
 from sglang.srt.distributed.parallel_state import get_attn_tp, tensor_model_parallel_all_reduce
 from sglang.srt.kernels.moe.routing_config import RoutingConfig
 from sglang.srt.layers.layernorm import RMSNorm
@@ -41,8 +42,7 @@ from sglang.srt.layers.rotary_embedding import get_rope, get_rope_params, yarn_g
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.models.causal_lm import CausalLM, DecoderModel
 from sglang.srt.models.decoder_layer import PreNormDecoderLayer
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.model_loader.weight_utils import default_weight_loader
+from sglang.srt.models.weight_loading import default_weight_loader
 
 # HF dense-MLP names fused into gate_up_proj: (param fragment, checkpoint fragment, shard id).
 _GATE_UP_MAPPING = ((".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from sglang.srt.batch.forward_batch_info import ForwardBatch
 from sglang.srt.distributed.parallel_state import get_attn_tp
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -21,8 +22,7 @@ from sglang.srt.layers.rotary_embedding import get_rope, get_rope_params
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.models.causal_lm import CausalLM, DecoderModel
 from sglang.srt.models.decoder_layer import PreNormDecoderLayer
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.model_loader.weight_utils import load_weights_into
+from sglang.srt.models.weight_loading import load_weights_into
 
 # HF checkpoint names fused into our stacked parameters: (param, checkpoint, shard id).
 STACKED_PARAMS_MAPPING = (

@@ -28,7 +28,7 @@ from sglang.srt.distributed.parallel_state import get_attn_tp
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from sglang.srt.model_loader.weight_utils import load_weights_into
+from sglang.srt.models.weight_loading import load_weights_into
 from sglang.srt.models.causal_lm import CausalLM, DraftModel
 from sglang.srt.models.llama import STACKED_PARAMS_MAPPING, LlamaDecoderLayer
 

@@ -19,15 +19,16 @@ give a sub-forward is that of a padded row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.mem_cache.memory_pool import DUMMY_REQ_ROW, ReqToTokenPool
 from sglang.srt.model_executor.cuda_graph_runner import ForwardFn
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.speculative.draft_extend_program import DraftExtendProgram
 from sglang.srt.speculative.draft_loop import DraftLoop
 from sglang.srt.speculative.eagle_utils import DraftTree, VerifyOutcome, build_draft_tree
 from sglang.srt.speculative.spec_info import RequestStates, SpecInput
@@ -62,22 +63,27 @@ class CycleTensors:
         return self.rows.shape[0]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed as an object: it holds state
 class DecodeCycle:
     sizes: SpecSizes
     max_position: int  # positions past the context are never emitted; they are clamped
-    states: RequestStates
-    table: ReqToTokenPool
-    target: "ModelRunner"
+    # What the tiers' cycles share (left out of the repr, which a graph key carries and ranks
+    # compare).
+    states: RequestStates = field(repr=False)
+    table: ReqToTokenPool = field(repr=False)
+    target: "ModelRunner" = field(repr=False)
+    # The programs of the tier's sub-forwards.
     draft_loop: Optional[DraftLoop]
+    verify: VerifyProgram
+    draft_extend: DraftExtendProgram
 
     # ------------------------------------------------------------------ the whole cycle
     def __call__(self, fb: ForwardBatch, forward: ForwardFn) -> tuple[torch.Tensor, ...]:
         """The greedy cycle of a cycle batch; returns (VerifyOutcome.host_reads,)."""
         programs = {
             SubForward.DRAFT_LOOP: self.draft_loop,
-            SubForward.TARGET_VERIFY: self.sizes.verify_program(),
-            SubForward.DRAFT_EXTEND: self.sizes.draft_extend_program(),
+            SubForward.TARGET_VERIFY: self.verify,
+            SubForward.DRAFT_EXTEND: self.draft_extend,
         }
 
         def sub_forward(kind: SubForward, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
@@ -188,7 +194,7 @@ def cycle_batch(rows: torch.Tensor, slots: torch.Tensor, host_kv_len: list[int],
     request states), only the host's KV lengths."""
     empty = rows[:0]
     return ForwardBatch(
-        mode=ForwardMode.DECODE,
+        mode=ForwardMode.DECODE_CYCLE,
         batch_size=rows.shape[0],
         input_ids=empty,
         positions=empty,

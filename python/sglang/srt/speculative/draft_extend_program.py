@@ -7,14 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang.srt.batch.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.cuda_graph_runner import ForwardFn
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.speculative.spec_info import top_guesses
 
 
 @dataclass(frozen=True)
 class DraftExtendProgram:
     topk: int
+    rows_per_req: int  # the batch's rows per request (steps + 1): each tier captures its own graphs
 
     def __call__(self, fb: ForwardBatch, forward: ForwardFn) -> tuple[torch.Tensor, ...]:
         """Returns (probs [bs, topk], tokens [bs, topk], hidden [bs, hidden]) at each request's

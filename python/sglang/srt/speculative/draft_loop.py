@@ -20,9 +20,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from sglang.srt.sampling.sampler import greedy_tokens
+from sglang.srt.batch.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.cuda_graph_runner import PAD_KV_SLOT, ForwardFn
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.sampling.sampler import greedy_tokens
 from sglang.srt.speculative.eagle_utils import build_draft_tree, chain_tree, select_step_inputs
 from sglang.srt.speculative.spec_info import SpecInput, top_guesses
 

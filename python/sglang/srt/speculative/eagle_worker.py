@@ -39,14 +39,15 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.batch.schedule_batch import Req, ScheduleBatch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import get_attn_tp_group, get_attn_tp_size
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
+from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, ModeKey
+from sglang.srt.model_executor.model_runner import ModelRunner, RunnerShapes
+from sglang.srt.model_executor.tp_worker import GenerationResult, InputLogprobs, LaunchedStep, TpModelWorker
 from sglang.srt.sampling.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo, greedy_tokens, token_logprobs
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.managers.tp_worker import GenerationResult, InputLogprobs, LaunchedStep, TpModelWorker
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
-from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.decode_cycle import CycleTensors, cycle_batch
 from sglang.srt.speculative.eagle_utils import (
@@ -62,7 +63,7 @@ from sglang.srt.speculative.eagle_utils import (
 )
 from sglang.srt.speculative.spec_info import RequestStates, SpecInput, top_guesses
 from sglang.srt.speculative.spec_plan import SpecIterationPlan, SpecSizes, SubForward
-from sglang.srt.speculative.spec_tier import SpecTier
+from sglang.srt.speculative.spec_tier import SpecTier, runner_shapes, target_graph_modes
 from sglang.srt.utils.transfer import HostCopy, upload
 
 logger = logging.getLogger(__name__)
@@ -77,8 +78,14 @@ _GLOBAL_MODE = {
     SubForward.DRAFT_LOOP: ForwardMode.DRAFT_DECODE,
     SubForward.TARGET_VERIFY: ForwardMode.TARGET_VERIFY,
     SubForward.DRAFT_EXTEND: ForwardMode.DRAFT_EXTEND,
-    SubForward.DECODE_CYCLE: ForwardMode.DECODE,
+    SubForward.DECODE_CYCLE: ForwardMode.DECODE_CYCLE,
 }
+
+
+def target_runner_setup(server_args: ServerArgs) -> tuple[RunnerShapes, dict[ModeKey, CapturedMode]]:
+    """The shapes and CUDA graph modes of the target's runner (made before this worker)."""
+    tiers = SpecSizes.tiers(server_args)
+    return runner_shapes(tiers[-1]), target_graph_modes(tiers)
 
 
 def draft_model_config(server_args: ServerArgs) -> ModelConfig:
@@ -96,7 +103,7 @@ def draft_model_config(server_args: ServerArgs) -> ModelConfig:
 
 @dataclass
 class LaunchedCycle:
-    """A decode cycle queued on the device (scheduler.LaunchedStep's interface): its tokens and
+    """A decode cycle queued on the device (tp_worker.LaunchedStep's interface): its tokens and
     its KV positions reach the host in resolve(), which also frees the verify slots not kept."""
 
     reqs: list[Req]
@@ -142,6 +149,10 @@ class EAGLEWorker:
         }
         # The tier of the latest decode cycle launched: a request's cycle in flight is that one.
         self.launched_sizes = self.sizes
+        graph_modes: dict[ModeKey, CapturedMode] = {}
+        for tier in self.tiers.values():
+            graph_modes.update(tier.draft_graph_modes(draft_config.hidden_size, draft_config.dtype))
+        # The draft shares the target's slots, gathered buffer, IPC buffers, embedding and LM head.
         self.draft_runner = ModelRunner(
             draft_config,
             server_args,
@@ -151,9 +162,10 @@ class EAGLEWorker:
             req_to_token_pool=target_runner.req_to_token_pool,
             token_allocator=target_runner.token_allocator,
             gathered_buffer=target_runner.gathered_buffer,
-            is_draft=True,
             embed_and_head=target_runner.model.get_embed_and_head(),
-            draft_programs={steps: tier.graph_programs for steps, tier in self.tiers.items()},
+            shapes=target_runner.shapes,
+            graph_modes=graph_modes,
+            open_ipc_collectives=False,
         )
         # Sub-forwards of the latest iteration: (kind, rows of every DP rank, local rows).
         self.trace: list[tuple[str, Optional[tuple[int, ...]], int]] = []
@@ -215,8 +227,8 @@ class EAGLEWorker:
         return [(kind.value, it.rows(kind)) for kind in it.sub_forwards()]
 
     def _forward(self, runner: ModelRunner, fb: ForwardBatch, kind: SubForward, it: SpecIterationPlan):
-        """Every sub-forward goes through here: sets its DP sizes and tier, and records it."""
-        fb.spec_steps = it.sizes.steps
+        """Every sub-forward goes through here: sets its DP sizes, runs it by its tier's program
+        (if any), and records it."""
         fb.global_num_tokens = it.global_num_tokens(kind)
         if fb.global_num_tokens is not None:
             fb.global_forward_mode = _GLOBAL_MODE[kind]

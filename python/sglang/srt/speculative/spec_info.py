@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from sglang.srt.model_executor.cuda_graph_runner import SpecInfoLayout
 from sglang.srt.sampling.sampler import greedy_tokens
 
 
@@ -33,6 +34,12 @@ class SpecInput:
 
     hidden_states: torch.Tensor  # [num_tokens, hidden]
     scores: Optional[torch.Tensor] = None  # [num_tokens] float32 cumulative draft score (draft loop)
+
+    @staticmethod
+    def layout(hidden_size: int, dtype: torch.dtype, scores: bool) -> SpecInfoLayout:
+        """How a CUDA graph's batches carry it: hidden states, and the scores when `scores`."""
+        fields = (("hidden_states", (hidden_size,), dtype),) + ((("scores", (), torch.float32),) if scores else ())
+        return SpecInfoLayout(fields, SpecInput)
 
 
 class RequestStates:

@@ -22,11 +22,8 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
+from sglang.srt.batch.forward_batch_info import ForwardMode
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
-from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, GraphProgram, ModeKey
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
-from sglang.srt.speculative.draft_extend_program import DraftExtendProgram
-from sglang.srt.speculative.verify_program import VerifyProgram
 
 
 class SubForward(enum.Enum):
@@ -82,49 +79,6 @@ class SpecSizes:
     def tree_row_width(self) -> int:
         """Request->token table columns a cycle uses past a request's KV."""
         return max(self.decode_kv_need_per_req, self.draft_extend_rows)
-
-    def captured_modes(
-        self, is_draft: bool, draft_loop: Optional[GraphProgram] = None, decode_cycle: Optional[GraphProgram] = None
-    ) -> dict[ModeKey, CapturedMode]:
-        """The sub-forwards of this tier a CUDA graph captures (keyed with the tier's steps):
-        target verify (with the greedy acceptance) on the target; the whole draft loop (its
-        first step's batch: topk tokens per request, a topk-wide tree mask), the draft extend
-        after verify, and the whole greedy cycle (DECODE: its batch's table rows and KV slots)
-        on the draft. A cycle consumes every output before the next cycle replays the graph:
-        no output copies."""
-        if not is_draft:
-            n = self.num_draft_tokens
-            return {
-                self.mode_key(ForwardMode.TARGET_VERIFY): CapturedMode(
-                    n, (n,), CaptureHiddenMode.FULL, program=self.verify_program(), outputs_as_views=True
-                )
-            }
-        modes = {
-            self.mode_key(ForwardMode.DRAFT_EXTEND): CapturedMode(
-                self.draft_extend_rows, capture_hidden=CaptureHiddenMode.LAST, draft_input=True, logits_at_rows=True,
-                program=self.draft_extend_program(), outputs_as_views=True,
-            )
-        }
-        if self.steps > 1:
-            assert draft_loop is not None, "a draft with draft steps captures its loop"
-            modes[self.mode_key(ForwardMode.DRAFT_DECODE)] = CapturedMode(
-                self.topk, (self.topk,), CaptureHiddenMode.FULL, draft_input=True, draft_scores=True, program=draft_loop,
-                outputs_as_views=True,
-            )
-        assert decode_cycle is not None, "a draft captures the whole decode cycle"
-        modes[self.mode_key(ForwardMode.DECODE)] = CapturedMode(
-            self.decode_kv_need_per_req, slots_only=True, program=decode_cycle, outputs_as_views=True
-        )
-        return modes
-
-    def mode_key(self, mode: ForwardMode) -> ModeKey:
-        return ModeKey(mode, self.steps)
-
-    def verify_program(self) -> VerifyProgram:
-        return VerifyProgram(self.num_draft_tokens, self.draft_extend_rows, chain=self.topk == 1)
-
-    def draft_extend_program(self) -> DraftExtendProgram:
-        return DraftExtendProgram(self.topk)
 
 
 @dataclass(frozen=True)

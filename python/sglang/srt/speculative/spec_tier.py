@@ -13,10 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from sglang.srt.model_executor.cuda_graph_runner import GraphProgram
+import torch
+
+from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, GraphProgram, ModeKey
+from sglang.srt.model_executor.model_runner import RunnerShapes
 from sglang.srt.speculative.decode_cycle import DecodeCycle
+from sglang.srt.speculative.draft_extend_program import DraftExtendProgram
 from sglang.srt.speculative.draft_loop import DraftLoop
+from sglang.srt.speculative.spec_info import SpecInput
 from sglang.srt.speculative.spec_plan import SpecSizes, SubForward
+from sglang.srt.speculative.verify_program import VerifyProgram
 
 
 @dataclass(frozen=True)
@@ -31,17 +38,62 @@ class SpecTier:
     def build(cls, sizes: SpecSizes, max_position: int, **cycle_parts) -> "SpecTier":
         """cycle_parts: what DecodeCycle shares across tiers (request states, table, target runner)."""
         loop = DraftLoop(sizes.steps, sizes.topk, sizes.num_draft_tokens, max_position) if sizes.steps > 1 else None
-        cycle = DecodeCycle(sizes, max_position, draft_loop=loop, **cycle_parts)
+        verify, draft_extend = verify_program(sizes), DraftExtendProgram(sizes.topk, sizes.draft_extend_rows)
+        cycle = DecodeCycle(
+            sizes, max_position, draft_loop=loop, verify=verify, draft_extend=draft_extend, **cycle_parts
+        )
         programs: dict[SubForward, GraphProgram] = {
-            SubForward.TARGET_VERIFY: sizes.verify_program(),
-            SubForward.DRAFT_EXTEND: sizes.draft_extend_program(),
+            SubForward.TARGET_VERIFY: verify,
+            SubForward.DRAFT_EXTEND: draft_extend,
             SubForward.DECODE_CYCLE: cycle,
         }
         if loop is not None:
             programs[SubForward.DRAFT_LOOP] = loop
         return cls(sizes, loop, cycle, programs)
 
-    @property
-    def graph_programs(self) -> tuple[Optional[GraphProgram], GraphProgram]:
-        """(draft loop, decode cycle): what the draft runner's graphs of this tier capture."""
-        return self.draft_loop, self.cycle
+    def draft_graph_modes(self, hidden_size: int, dtype: torch.dtype) -> dict[ModeKey, CapturedMode]:
+        """What the draft runner's CUDA graphs capture of this tier (its group: the tier's
+        steps): the draft extend after verify, the whole draft loop (its first step's batch:
+        topk tokens per request, a topk-wide tree mask) and the whole greedy cycle (its batch's
+        table rows and KV slots). A cycle consumes every output before the next cycle replays
+        the graph: no output copies."""
+        sizes, group = self.sizes, self.sizes.steps
+        modes = {
+            ModeKey(ForwardMode.DRAFT_EXTEND, self.programs[SubForward.DRAFT_EXTEND]): CapturedMode(
+                sizes.draft_extend_rows, capture_hidden=CaptureHiddenMode.LAST, logits_at_rows=True,
+                spec_info=SpecInput.layout(hidden_size, dtype, scores=False), outputs_as_views=True, group=group,
+            )
+        }
+        if self.draft_loop is not None:
+            modes[ModeKey(ForwardMode.DRAFT_DECODE, self.draft_loop)] = CapturedMode(
+                sizes.topk, (sizes.topk,), CaptureHiddenMode.FULL, spec_info=SpecInput.layout(hidden_size, dtype, scores=True),
+                outputs_as_views=True, group=group,
+            )
+        modes[ModeKey(ForwardMode.DECODE_CYCLE, self.cycle)] = CapturedMode(
+            sizes.decode_kv_need_per_req, slots_only=True, outputs_as_views=True, group=group
+        )
+        return modes
+
+
+def verify_program(sizes: SpecSizes) -> VerifyProgram:
+    return VerifyProgram(sizes.num_draft_tokens, sizes.draft_extend_rows, chain=sizes.topk == 1)
+
+
+def target_graph_modes(tiers: tuple[SpecSizes, ...]) -> dict[ModeKey, CapturedMode]:
+    """What the target runner's CUDA graphs capture: per tier (its group: the tier's steps),
+    the verify with its greedy acceptance."""
+    return {
+        ModeKey(ForwardMode.TARGET_VERIFY, verify_program(sizes)): CapturedMode(
+            sizes.num_draft_tokens, (sizes.num_draft_tokens,), CaptureHiddenMode.FULL, outputs_as_views=True,
+            group=sizes.steps,
+        )
+        for sizes in tiers
+    }
+
+
+def runner_shapes(largest: SpecSizes) -> RunnerShapes:
+    """The target's and the draft's runner shapes, from the largest tier: a cycle's largest
+    sub-forward per request (draft steps, verify, draft extend), its tree past a request's KV,
+    and the draft's KV pool (NextN layer or EAGLE head: one decoder layer) on the target's slots."""
+    tokens_per_request = max(largest.num_draft_tokens, largest.topk, largest.draft_extend_rows)
+    return RunnerShapes(tokens_per_request, largest.tree_row_width, kv_layers_sharing_slots=1)

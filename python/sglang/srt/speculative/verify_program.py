@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang.srt.sampling.sampler import greedy_tokens
+from sglang.srt.batch.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.cuda_graph_runner import ForwardFn
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.sampling.sampler import greedy_tokens
 from sglang.srt.speculative.eagle_utils import (
     DraftTree,
     VerifyOutcome,

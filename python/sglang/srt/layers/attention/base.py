@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from sglang.srt.batch.forward_batch_info import ForwardBatch
     from sglang.srt.layers.radix_attention import RadixAttention
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
 class AttentionBackend(ABC):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sglang.srt.batch.forward_batch_info import ForwardBatch
 from sglang.srt.layers.attention.base import AttentionBackend, load_kv
 from sglang.srt.layers.radix_attention import RadixAttention
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
 class TorchNativeAttnBackend(AttentionBackend):

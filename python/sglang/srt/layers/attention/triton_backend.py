@@ -16,12 +16,12 @@ from typing import Optional
 
 import torch
 
+from sglang.srt.batch.forward_batch_info import ForwardBatch
 from sglang.srt.kernels.attention.common import build_kv_indices, q_heads_view
 from sglang.srt.kernels.attention.decode import decode_attention, num_kv_splits
 from sglang.srt.kernels.attention.extend import extend_attention
 from sglang.srt.layers.attention.base import AttentionBackend, load_kv
 from sglang.srt.layers.radix_attention import RadixAttention
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
 @dataclass

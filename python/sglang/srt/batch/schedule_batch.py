@@ -8,11 +8,10 @@ from typing import Any, Optional
 
 import torch
 
+from sglang.srt.batch.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.mem_cache.memory_pool import TableWrite
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.utils.transfer import upload
-
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.batch.schedule_batch import Req
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool, TableWrite, TokenToKVPoolAllocator
 from sglang.srt.mem_cache.radix_cache import RadixCache
 

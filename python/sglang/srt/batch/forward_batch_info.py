@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from sglang.srt.layers.attention.base import AttentionBackend
     from sglang.srt.mem_cache.memory_pool import KVPool, ReqToTokenPool
 
 
@@ -26,6 +25,9 @@ class ForwardMode(enum.IntEnum):
     DRAFT_DECODE = 4  # topk tokens per request, one draft step
     DRAFT_EXTEND = 5  # draft model catching up on accepted tokens
     IDLE = 6  # no local rows; still runs every collective under DP attention
+    # A speculative decode cycle's batch: table rows and KV slots only, which a program turns
+    # into the cycle's sub-forwards (never a model forward itself).
+    DECODE_CYCLE = 7
 
     def is_extend_like(self) -> bool:
         """Modes whose queries attend causally to their own new tokens."""
@@ -33,6 +35,22 @@ class ForwardMode(enum.IntEnum):
 
     def is_idle(self) -> bool:
         return self == ForwardMode.IDLE
+
+
+class LayerAttention(Protocol):
+    """What a batch's attention backend does for one attention layer (every
+    layers/attention backend implements it)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: Any,  # the calling layers.radix_attention.RadixAttention
+        forward_batch: "ForwardBatch",
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """Attention of q over the layer's KV, after storing k and v (unless None) at out_cache_loc."""
 
 
 class CaptureHiddenMode(enum.IntEnum):
@@ -74,9 +92,6 @@ class ForwardBatch:
     input_top_logprobs_num: int = 0
     # Speculative decoding input (draft hidden states etc.), owned by speculative/.
     spec_info: Any = None
-    # The draft steps of the speculative tier a sub-forward belongs to (0 outside speculation):
-    # CUDA graphs are captured per tier, so it picks the graph.
-    spec_steps: int = 0
     # DP attention: tokens each DP rank contributes to this forward (same on every rank),
     # and this rank's gathered buffer (allocated once; sliced per forward, never kept).
     global_num_tokens: Optional[list[int]] = None
@@ -85,7 +100,7 @@ class ForwardBatch:
     global_forward_mode: Optional[ForwardMode] = None
     gathered_buffer: Optional[torch.Tensor] = None
     # Set by the model runner before the forward.
-    attn_backend: Optional["AttentionBackend"] = None
+    attn_backend: Optional[LayerAttention] = None
     req_to_token_pool: Optional["ReqToTokenPool"] = None
     token_to_kv_pool: Optional["KVPool"] = None
 

@@ -8,39 +8,22 @@ so that speculative workers can plug in behind the same call.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from sglang.srt.batch.forward_batch_info import ForwardMode
+from sglang.srt.batch.generation_result import GenerationResult
+from sglang.srt.batch.req_kv import ReqKVManager
+from sglang.srt.batch.schedule_batch import FutureTokens, Req, ScheduleBatch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, ModeKey
+from sglang.srt.model_executor.model_runner import ModelRunner, RunnerShapes
 from sglang.srt.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
-from sglang.srt.managers.schedule_batch import FutureTokens, Req, ScheduleBatch
-from sglang.srt.mem_cache.req_kv import ReqKVManager
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.transfer import HostCopy, upload
-
-
-@dataclass
-class GenerationResult:
-    # New tokens per request (empty for a request whose prompt is still being chunked).
-    next_token_ids: list[list[int]]
-    # KV positions written per request by this step (the scheduler adds them to kv_len).
-    kv_written: list[int]
-    # Per request, per new token: (logprob, token id) and top logprobs, when asked for.
-    logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    top_logprobs: list[list[list[tuple[float, int]]]] = field(default_factory=list)
-    # Draft tokens accepted this step per request, and the draft steps of the cycle's tier
-    # (speculative workers only).
-    accepted_draft_tokens: Optional[list[int]] = None
-    draft_steps: Optional[int] = None
-    # Extend: per request, (logprob, token id) and top logprobs of the prompt tokens whose
-    # logprobs this chunk computed (ScheduleBatch.input_logprob_rows), when any were asked for.
-    input_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    input_top_logprobs: list[list[list[tuple[float, int]]]] = field(default_factory=list)
 
 
 @dataclass
@@ -139,8 +122,19 @@ def _same_objects(a: list, b: list) -> bool:
 
 
 class TpModelWorker:
-    def __init__(self, server_args: ServerArgs, model_config: ModelConfig, gpu_id: int, tp_rank: int):
-        self.runner = ModelRunner(model_config, server_args, gpu_id, tp_rank, server_args.tp_size)
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        model_config: ModelConfig,
+        gpu_id: int,
+        tp_rank: int,
+        shapes: RunnerShapes = RunnerShapes(),
+        graph_modes: Optional[dict[ModeKey, CapturedMode]] = None,
+    ):
+        """shapes and graph_modes: the runner's, beyond plain decoding (ModelRunner)."""
+        self.runner = ModelRunner(
+            model_config, server_args, gpu_id, tp_rank, server_args.tp_size, shapes=shapes, graph_modes=graph_modes
+        )
         self.device = self.runner.device
         self.sampler = Sampler(server_args.enable_nan_detection)
         self.generators: dict[str, torch.Generator] = {}
