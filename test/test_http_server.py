@@ -480,9 +480,9 @@ def test_incremental_detokenizer_matches_full_decode():
 
 
 def test_batched_detokenization_equals_one_request_at_a_time():
-    """handle() decodes a message's windows together: per request, the same texts as
-    decoding each request alone, with both special-token options in one message, and through
-    the one-by-one path of a tokenizer that cleans up tokenization spaces."""
+    """handle() gives per request the same texts as decoding each request alone, with both
+    special-token options in one message, through the tokenizers backend and through the
+    transformers path of a tokenizer that cleans up tokenization spaces."""
     tok = make_byte_tokenizer()
     texts = ["añb 世界 🙂 end", "plain ascii words", "🙂🙂 x", "a<|im_end|>b c"]
     seqs = [tok.encode(t, add_special_tokens=False) for t in texts]

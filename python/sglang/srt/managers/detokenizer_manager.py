@@ -3,8 +3,7 @@
 Decoding is incremental: for each request we keep its output ids so far, the text already
 confirmed and two offsets into the ids; every step decodes only a short window, so the cost
 per token stays constant, and a window whose text ends in an incomplete UTF-8 character
-('\ufffd') is held back until the next token completes it. A message's windows are decoded
-together (`BatchDecoder`).
+('\ufffd') is held back until the next token completes it.
 """
 
 from __future__ import annotations
@@ -35,19 +34,6 @@ class DecodeState:
     read_offset: int = 0  # ids before this offset are in `text`
 
 
-@dataclass(frozen=True)
-class _StepInput:
-    """One request's part of a message: its output ids from `offset` on."""
-
-    rid: str
-    new_ids: list[int]
-    offset: int
-    finished_reason: Optional[dict[str, Any]]
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-
-
 def trim_matched_stop(text: str, finished_reason: Optional[dict[str, Any]], no_stop_trim: bool) -> str:
     """Cut a finished request's text before the stop string it matched."""
     if no_stop_trim or not finished_reason or finished_reason.get("type") != "stop":
@@ -60,27 +46,25 @@ def trim_matched_stop(text: str, finished_reason: Optional[dict[str, Any]], no_s
     return text
 
 
-class BatchDecoder:
-    """Decodes many id lists. A tokenizer backed by the `tokenizers` library decodes each
-    through its Rust backend directly when its decode is exactly the backend's (no clean-up
-    of tokenization spaces, which transformers applies in Python afterwards;
-    spaces_between_special_tokens only changes Python tokenizers): a third of
-    transformers' per-call cost. One list at a time: the backend's decode_batch spreads a
-    batch over a thread pool whose threads cost more CPU than the decoding they share."""
+class WindowDecoder:
+    """Decodes one window of ids. A tokenizer backed by the `tokenizers` library decodes
+    through its Rust backend directly when its decode is exactly the backend's (no clean-up of
+    tokenization spaces, which transformers applies in Python afterwards;
+    spaces_between_special_tokens only changes Python tokenizers): a third of transformers'
+    per-call cost. Not the backend's decode_batch: it spreads a batch over a thread pool whose
+    threads cost more CPU than the decoding they share."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.backend = backend if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None
 
-    def decode(self, seqs: list[list[int]], skip_special_tokens: bool, spaces_between_special_tokens: bool) -> list[str]:
+    def decode(self, ids: list[int], skip_special_tokens: bool, spaces_between_special_tokens: bool) -> str:
         if self.backend is not None:
-            decode = self.backend.decode
-            return [decode(ids, skip_special_tokens=skip_special_tokens) for ids in seqs]
-        return [
-            self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens)
-            for ids in seqs
-        ]
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens
+        )
 
 
 class IncrementalDetokenizer:
@@ -88,7 +72,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.decoder = BatchDecoder(tokenizer) if tokenizer is not None else None
+        self.decoder = WindowDecoder(tokenizer) if tokenizer is not None else None
         self.states: OrderedDict[str, DecodeState] = OrderedDict()
 
     def step(
@@ -103,51 +87,25 @@ class IncrementalDetokenizer:
     ) -> str:
         """new_ids: the request's output ids from position `offset` on. Returns the text they
         complete (the whole text once finished)."""
-        return self.steps([_StepInput(rid, new_ids, offset, finished_reason, skip_special_tokens, spaces_between_special_tokens, no_stop_trim)])[0]
-
-    def steps(self, inputs: list["_StepInput"]) -> list[str]:
-        """`step` for several requests (distinct rids), their windows decoded together per
-        decoding option."""
-        states = [self._advance(x) for x in inputs]
-        windows: list[tuple[list[int], list[int]]] = []  # (prefix ids, window ids) per input
-        for x, (state, ids) in zip(inputs, states):
-            windows.append((ids[state.surr_offset : state.read_offset], ids[state.surr_offset :]))
-        texts = self._decode_grouped(inputs, windows)
-        return [self._confirm(x, state, ids, prefix, window) for x, (state, ids), (prefix, window) in zip(inputs, states, texts)]
-
-    def _advance(self, x: "_StepInput") -> tuple[DecodeState, list[int]]:
-        """The request's state with its new ids in place, and the ids its text covers."""
-        state = self.states.pop(x.rid, None) or DecodeState()
-        if x.offset != len(state.ids):  # messages of one request arrive in order, from one scheduler
-            logger.error("Request %s: output ids from %d, but %d seen", x.rid, x.offset, len(state.ids))
-        state.ids[x.offset :] = x.new_ids
+        finished = finished_reason is not None
+        state = self.states.pop(rid, None) or DecodeState()
+        if offset != len(state.ids):  # messages of one request arrive in order, from one scheduler
+            logger.error("Request %s: output ids from %d, but %d seen", rid, offset, len(state.ids))
+        state.ids[offset:] = new_ids
         ids = state.ids
-        if x.finished_reason is not None and not x.no_stop_trim and isinstance(x.finished_reason.get("matched"), int):
+        if finished and not no_stop_trim and isinstance((finished_reason or {}).get("matched"), int):
             ids = ids[:-1]  # a matched stop token is not part of the text
-        return state, ids
-
-    def _decode_grouped(self, inputs: list["_StepInput"], windows: list[tuple[list[int], list[int]]]) -> list[tuple[str, str]]:
-        """(prefix text, window text) per input: one decode call per distinct decoding option."""
-        groups: dict[tuple[bool, bool], list[int]] = {}
-        for i, x in enumerate(inputs):
-            groups.setdefault((x.skip_special_tokens, x.spaces_between_special_tokens), []).append(i)
-        texts: list[tuple[str, str]] = [("", "")] * len(inputs)
-        for (skip, spaces), members in groups.items():
-            flat = self.decoder.decode([w for i in members for w in windows[i]], skip, spaces)
-            for k, i in enumerate(members):
-                texts[i] = (flat[2 * k], flat[2 * k + 1])
-        return texts
-
-    def _confirm(self, x: "_StepInput", state: DecodeState, ids: list[int], prefix: str, window: str) -> str:
-        """The text this step completes; the state keeps it (until the request finishes)."""
+        options = (skip_special_tokens, spaces_between_special_tokens)
+        prefix = self.decoder.decode(ids[state.surr_offset : state.read_offset], *options)
+        window = self.decoder.decode(ids[state.surr_offset :], *options)
         new_text = window[len(prefix) :]
-        if x.finished_reason is not None:
-            return trim_matched_stop(state.text + new_text, x.finished_reason, x.no_stop_trim)
+        if finished:
+            return trim_matched_stop(state.text + new_text, finished_reason, no_stop_trim)
         confirmed = ""
         if new_text and not new_text.endswith(_REPLACEMENT_CHAR):
             confirmed = new_text
             state.text, state.surr_offset, state.read_offset = state.text + new_text, state.read_offset, len(ids)
-        self.states[x.rid] = state
+        self.states[rid] = state
         while len(self.states) > _MAX_TRACKED_REQUESTS:
             self.states.popitem(last=False)
         return confirmed
@@ -156,8 +114,8 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:  # --skip-tokenizer-init: token ids only
             texts = [""] * len(recv.rids)
         else:
-            texts = self.steps([
-                _StepInput(
+            texts = [
+                self.step(
                     rid,
                     recv.output_ids[i],
                     recv.output_offsets[i],
@@ -167,7 +125,7 @@ class IncrementalDetokenizer:
                     recv.no_stop_trim[i],
                 )
                 for i, rid in enumerate(recv.rids)
-            ])
+            ]
         return BatchStrOut(output_strs=texts, **recv.batch_out_fields())
 
 

@@ -12,7 +12,8 @@ import logging
 import os
 import threading
 import time
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -83,17 +84,20 @@ class SchedulerProfiler:
 
 
 def _write_profile(prof: profile, stem: str) -> None:
-    """Each file appears under its name only once complete (written aside, then renamed)."""
     try:
-        prof.export_chrome_trace(stem + ".partial.trace.json.gz")
-        os.replace(stem + ".partial.trace.json.gz", stem + ".trace.json.gz")
+        _write_complete(stem, ".trace.json.gz", prof.export_chrome_trace)
         averages = prof.key_averages()
         orders = (["self_cuda_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]
-        with open(stem + ".partial.txt", "w") as f:
-            for order in orders:
-                f.write(f"sorted by {order}\n{averages.table(sort_by=order, row_limit=_TABLE_ROWS)}\n")
-        os.replace(stem + ".partial.txt", stem + ".txt")
+        tables = "".join(f"sorted by {o}\n{averages.table(sort_by=o, row_limit=_TABLE_ROWS)}\n" for o in orders)
+        _write_complete(stem, ".txt", lambda path: Path(path).write_text(tables))
     except OSError as e:  # e.g. the directory was removed meanwhile: the scheduler goes on
         logger.error("Could not write the profile %s: %s", stem, e)
         return
     logger.info("Profile written to %s.trace.json.gz and %s.txt", stem, stem)
+
+
+def _write_complete(stem: str, suffix: str, write: Callable[[str], object]) -> None:
+    """write(path) into stem + ".partial" + suffix, then renamed to stem + suffix: the file
+    appears under its name only once complete."""
+    write(stem + ".partial" + suffix)
+    os.replace(stem + ".partial" + suffix, stem + suffix)
