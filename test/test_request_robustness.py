@@ -174,15 +174,19 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(server):
     sender.start()
     time.sleep(0.5)  # the body is sent and parsed; tokenization has begun
     latencies = []
+    window_start = time.monotonic()
     while sender.is_alive():
         start = time.monotonic()
         assert requests.get(server.base_url + "/health", timeout=30).status_code == 200
         latencies.append(time.monotonic() - start)
         time.sleep(0.05)
     sender.join()
+    window = time.monotonic() - window_start
     _assert_json_4xx(answer["r"], "10 MB prompt")
     assert len(latencies) >= 5, latencies  # the tokenization took a while: /health was measured during it
-    assert max(latencies) < 0.2, latencies
+    # A blocked event loop holds one /health for the rest of the tokenization; scheduling noise
+    # on a loaded 2-core runner costs a few hundred ms at most.
+    assert max(latencies) < max(0.5, window / 4), (window, latencies)
 
 
 # ---------------------------------------------------------------------- 7: stream cancelled early
