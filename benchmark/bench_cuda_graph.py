@@ -22,14 +22,15 @@ import os
 import sys
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import sglang as sgl  # noqa: E402
-from bench_decode import bench, dummy_model_dir  # noqa: E402
-from sglang.test.tiny_deepseek import make_tiny_deepseek_v3  # noqa: E402
-from sglang.test.tiny_models import make_tiny_llama  # noqa: E402
+from bench_decode import bench, dummy_model_dir
+
+import sglang as sgl
+from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
+from sglang.test.tiny_models import make_tiny_llama
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 GRAPH_ARGS = {"cuda_graph_max_bs": 32}  # 1, 2, 4, 8, 16, 24, 32: enough for the runs below
@@ -67,11 +68,17 @@ def check_correctness(models: dict[str, Callable[[str], str]]) -> bool:
             bad = [i for i, (e, g) in enumerate(zip(eager, graph)) if e != g]
             ok &= not bad
             status = "IDENTICAL" if not bad else f"DIFFERENT in requests {bad}"
-            print(f"[correctness] {name:12s} {dtype:9s} {len(eager)} requests x {NEW_TOKENS} tokens: "
-                  f"{status} ({time.perf_counter() - start:.0f} s)", flush=True)
+            print(
+                f"[correctness] {name:12s} {dtype:9s} {len(eager)} requests x {NEW_TOKENS} tokens: "
+                f"{status} ({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
             for i in bad:
-                print(f"    request {i}: first difference at token {first_difference(eager[i], graph[i])}\n"
-                      f"      eager {eager[i]}\n      graph {graph[i]}", flush=True)
+                print(
+                    f"    request {i}: first difference at token {first_difference(eager[i], graph[i])}\n"
+                    f"      eager {eager[i]}\n      graph {graph[i]}",
+                    flush=True,
+                )
     return ok
 
 
@@ -96,8 +103,11 @@ def time_decode(config: str, batch_sizes: list[int], repeats: int, result_file: 
         print(f"[timing] {config}: {label} engine started in {started:.0f} s", flush=True)
     for bs in batch_sizes:
         eager, graph = rows["eager"][bs], rows["graphs"][bs]
-        print(f"[timing] {config:24s} batch {bs:3d}: eager {eager:7.2f} ms/step, graphs {graph:7.2f} ms/step "
-              f"({eager / graph:.2f}x), {bs / graph * 1e3:8.0f} tok/s with graphs", flush=True)
+        print(
+            f"[timing] {config:24s} batch {bs:3d}: eager {eager:7.2f} ms/step, graphs {graph:7.2f} ms/step "
+            f"({eager / graph:.2f}x), {bs / graph * 1e3:8.0f} tok/s with graphs",
+            flush=True,
+        )
     return rows
 
 
@@ -112,15 +122,19 @@ def main() -> None:
     start = time.perf_counter()
     ok = True
     if not args.skip_correctness:
-        ok = check_correctness({
-            "tiny-llama": make_tiny_llama,
-            "tiny-dsv3": lambda d: make_tiny_deepseek_v3(d, with_mtp=False),
-        })
+        ok = check_correctness(
+            {
+                "tiny-llama": make_tiny_llama,
+                "tiny-dsv3": lambda d: make_tiny_deepseek_v3(d, with_mtp=False),
+            }
+        )
     if not args.skip_timing:
         for config in ("llama-3.1-8b.json", "deepseek-v2-lite.json"):
             time_decode(config, args.batch_sizes, args.repeats, args.result_file)
-    print(f"[done] {'all greedy tokens identical' if ok else 'TOKENS DIFFER'}; "
-          f"{time.perf_counter() - start:.0f} s in all", flush=True)
+    print(
+        f"[done] {'all greedy tokens identical' if ok else 'TOKENS DIFFER'}; {time.perf_counter() - start:.0f} s in all",
+        flush=True,
+    )
     sys.exit(0 if ok else 1)
 
 

@@ -37,9 +37,7 @@ def timed(model, ids: torch.Tensor, new_tokens: int, cache: str) -> float:
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     start.record()
-    model.generate(
-        ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation=cache
-    )
+    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation=cache)
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 1e3
@@ -59,8 +57,16 @@ def main() -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = copy_bandwidth_gbs()
-    print(json.dumps({"copy_bandwidth_GBps": round(bw, 1), "weight_GiB": round(weight_bytes / 2**30, 3),
-                      "roofline_ms_per_token_bs1": round(weight_bytes / (bw * 1e9) * 1e3, 3)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "copy_bandwidth_GBps": round(bw, 1),
+                "weight_GiB": round(weight_bytes / 2**30, 3),
+                "roofline_ms_per_token_bs1": round(weight_bytes / (bw * 1e9) * 1e3, 3),
+            }
+        ),
+        flush=True,
+    )
     for bs in args.batch_sizes:
         ids = torch.randint(10, 300, (bs, args.input_len), device="cuda")
         # Warm-up with the timed length: a static cache sized input + output_len gives the shapes
@@ -69,8 +75,17 @@ def main() -> None:
         t1 = timed(model, ids, 1, args.cache)
         tn = timed(model, ids, args.output_len, args.cache)
         step = (tn - t1) / (args.output_len - 1)
-        print(json.dumps({"engine": f"transformers ({args.cache} cache)", "batch_size": bs,
-                          "ms_per_token_step": round(step * 1e3, 3), "tokens_per_s": round(bs / step, 1)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "engine": f"transformers ({args.cache} cache)",
+                    "batch_size": bs,
+                    "ms_per_token_step": round(step * 1e3, 3),
+                    "tokens_per_s": round(bs / step, 1),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -112,10 +112,19 @@ def _step(running: dict, tokens_per_step: int) -> Any:
             del running[rid]
     n = len(rids)
     return BatchTokenIDOut(
-        rids=rids, output_ids=new_ids, output_offsets=offsets, finished_reasons=finished, prompt_tokens=prompt,
-        completion_tokens=completion, cached_tokens=[0] * n, skip_special_tokens=[True] * n,
-        spaces_between_special_tokens=[True] * n, no_stop_trim=[False] * n, output_token_logprobs=[None] * n,
-        output_top_logprobs=[None] * n, spec_verify_ct=[0] * n,
+        rids=rids,
+        output_ids=new_ids,
+        output_offsets=offsets,
+        finished_reasons=finished,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_tokens=[0] * n,
+        skip_special_tokens=[True] * n,
+        spaces_between_special_tokens=[True] * n,
+        no_stop_trim=[False] * n,
+        output_token_logprobs=[None] * n,
+        output_top_logprobs=[None] * n,
+        spec_verify_ct=[0] * n,
     )
 
 
@@ -127,7 +136,9 @@ def serve(step_s: float, tokens_per_step: int, server_flags: list[str]) -> None:
 
     def start_stand_in(server_args, port_args, ctx, subprocesses) -> list:
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=paced_scheduler, args=(server_args, port_args, step_s, tokens_per_step, writer), name="paced-scheduler")
+        proc = ctx.Process(
+            target=paced_scheduler, args=(server_args, port_args, step_s, tokens_per_step, writer), name="paced-scheduler"
+        )
         proc.start()
         writer.close()
         subprocesses.add(proc)
@@ -161,11 +172,25 @@ def pipeline_cpu(server) -> tuple[float, float]:
 
 def measure(server, args: argparse.Namespace, concurrency: int, bench_flags: list[str]) -> dict[str, Any]:
     num_prompts = args.num_prompts if concurrency > 1 else max(1, args.num_prompts // 16)
-    bench_args = bench_serving_parser().parse_args([
-        "--base-url", server.base_url, "--dataset-name", "random", "--num-prompts", str(num_prompts),
-        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-        "--random-range-ratio", "1", "--max-concurrency", str(concurrency), *bench_flags,
-    ])
+    bench_args = bench_serving_parser().parse_args(
+        [
+            "--base-url",
+            server.base_url,
+            "--dataset-name",
+            "random",
+            "--num-prompts",
+            str(num_prompts),
+            "--random-input-len",
+            str(args.input_len),
+            "--random-output-len",
+            str(args.output_len),
+            "--random-range-ratio",
+            "1",
+            "--max-concurrency",
+            str(concurrency),
+            *bench_flags,
+        ]
+    )
     before = pipeline_cpu(server)
     metrics = run_benchmark(bench_args)
     after = pipeline_cpu(server)
@@ -189,7 +214,12 @@ def main() -> None:
     split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--step-ms", type=float, default=0.6, help="the stand-in's decode step")
-    parser.add_argument("--tokens-per-step", type=int, default=1, help="new tokens per request per step (a speculative cycle's accepted drafts + 1)")
+    parser.add_argument(
+        "--tokens-per-step",
+        type=int,
+        default=1,
+        help="new tokens per request per step (a speculative cycle's accepted drafts + 1)",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--num-prompts", type=int, default=256, help="per concurrency above 1 (1/16 of it at 1)")
     parser.add_argument("--input-len", type=int, default=256)
@@ -204,7 +234,15 @@ def main() -> None:
         return
     if args.tokens_per_step < 1:
         parser.error(f"--tokens-per-step must be at least 1, got {args.tokens_per_step}")
-    launcher = [os.path.abspath(__file__), "--serve", "--step-ms", str(args.step_ms), "--tokens-per-step", str(args.tokens_per_step), "--"]
+    launcher = [
+        os.path.abspath(__file__),
+        "--serve",
+        "--step-ms",
+        str(args.step_ms),
+        "--tokens-per-step",
+        str(args.tokens_per_step),
+        "--",
+    ]
     server = popen_launch_server(args.model_path, ["--device", "cpu", *server_flags], launcher=launcher)
     try:
         for concurrency in args.concurrency:

@@ -96,7 +96,9 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=256, help="--chunked-prefill-size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--methods", nargs="+", default=["round_robin", "minimum_tokens"], choices=LOAD_BALANCE_METHODS)
-    parser.add_argument("--align-iters", nargs="+", type=int, default=[0], help="--dp-prefill-align-iters values, each run with every method")
+    parser.add_argument(
+        "--align-iters", nargs="+", type=int, default=[0], help="--dp-prefill-align-iters values, each run with every method"
+    )
     args = parser.parse_args()
     model = make_tiny_llama(tempfile.mkdtemp(prefix="dp_balance_"))
     reqs = workload(args)

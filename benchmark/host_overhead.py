@@ -52,23 +52,25 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 from unittest import mock
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode import dummy_model_dir  # noqa: E402
-from sglang.srt.managers.io_struct import TokenizedGenerateReqInput  # noqa: E402
-from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
-from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, CudaGraphRunner, ModeKey  # noqa: E402
-from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
-from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
-from sglang.srt.server_args import PortArgs, ServerArgs, prepare_server_args  # noqa: E402
-from sglang.srt.speculative.draft_extend_program import DraftExtendProgram  # noqa: E402
-from sglang.srt.speculative.draft_loop import DraftLoop  # noqa: E402
-from sglang.srt.speculative.verify_program import VerifyProgram  # noqa: E402
+from bench_decode import dummy_model_dir
+
+from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, CudaGraphRunner, ModeKey
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import PortArgs, ServerArgs, prepare_server_args
+from sglang.srt.speculative.draft_extend_program import DraftExtendProgram
+from sglang.srt.speculative.draft_loop import DraftLoop
+from sglang.srt.speculative.verify_program import VerifyProgram
 
 SUB_PROGRAMS = (DraftLoop, VerifyProgram, DraftExtendProgram)
 
@@ -111,9 +113,27 @@ class PhaseTimer:
 # Aten ops that only make views (no kernel). Not OpOverload.is_view: that also marks `to`, `copy`
 # and `pin_memory` (they may return their input), which copy when they do not.
 _VIEW_OPS = {
-    "view", "_unsafe_view", "slice", "select", "expand", "unsqueeze", "squeeze", "flatten", "unflatten",
-    "unbind", "as_strided", "alias", "t", "transpose", "permute", "reshape", "detach", "split", "split_with_sizes",
-    "narrow", "lift_fresh",
+    "view",
+    "_unsafe_view",
+    "slice",
+    "select",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "flatten",
+    "unflatten",
+    "unbind",
+    "as_strided",
+    "alias",
+    "t",
+    "transpose",
+    "permute",
+    "reshape",
+    "detach",
+    "split",
+    "split_with_sizes",
+    "narrow",
+    "lift_fresh",
 }
 
 
@@ -189,9 +209,7 @@ def new_scheduler(server_args: ServerArgs, graph_standin: bool) -> Scheduler:
         return Scheduler(server_args, PortArgs.init_new(server_args), 0, 0, None)
 
 
-def make_scheduler(
-    server_args: ServerArgs, graph_standin: bool, clock: Callable[[], float]
-) -> tuple[Scheduler, PhaseTimer]:
+def make_scheduler(server_args: ServerArgs, graph_standin: bool, clock: Callable[[], float]) -> tuple[Scheduler, PhaseTimer]:
     """A scheduler whose phases are timed; its request socket is real (nothing arrives)."""
     scheduler = new_scheduler(server_args, graph_standin)
     scheduler.send_to_detokenizer = PicklingDetokenizer()
@@ -249,8 +267,8 @@ def count_ops(scheduler: Scheduler, iterations: int) -> dict[str, float]:
     """Kernel-launching ops per iteration by part (OpCounter)."""
     counter = OpCounter()
     runners = [scheduler.runner] + ([scheduler.spec_worker.draft_runner] if scheduler.spec_worker else [])
-    program_name = lambda fb, program=None, **_: type(program).__name__ if program else None  # noqa: E731
-    own_name = lambda program, *_, **__: type(program).__name__  # noqa: E731
+    program_name = lambda fb, program=None, **_: type(program).__name__ if program else None
+    own_name = lambda program, *_, **__: type(program).__name__
     with contextlib.ExitStack() as patches:
         for cls in SUB_PROGRAMS:  # DecodeCycle calls them directly, not through ModelRunner.run
             patches.enter_context(mock.patch.object(cls, "__call__", counter.labelled(own_name, cls.__call__)))
@@ -269,8 +287,9 @@ def bench(scheduler: Scheduler, timer: PhaseTimer, args: argparse.Namespace, bat
     max_new = steps * scheduler.worker.max_tokens_per_step()  # a speculative cycle emits several
     need = batch_size * (args.input_len + max_new)
     if need > scheduler.allocator.size:  # else requests are retracted while timed
-        raise SystemExit(f"batch {batch_size} needs {need} KV slots, the pool has {scheduler.allocator.size}: "
-                         "lower --iterations or --repeats")
+        raise SystemExit(
+            f"batch {batch_size} needs {need} KV slots, the pool has {scheduler.allocator.size}: lower --iterations or --repeats"
+        )
     start_decoding(scheduler, batch_size, args.input_len, max_new, args.stream, f"bs{batch_size}")
     timed_iterations(scheduler, timer, args.warmup)
     profiler = timer.profiler = cProfile.Profile() if args.profile else None
@@ -301,9 +320,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--tiny", action="store_true", help="a tiny random Llama (2 layers, 384-token vocabulary)")
-    source.add_argument(
-        "--tiny-deepseek", action="store_true", help="a tiny random DeepSeek-V3 with its MTP layer (for NEXTN)"
-    )
+    source.add_argument("--tiny-deepseek", action="store_true", help="a tiny random DeepSeek-V3 with its MTP layer (for NEXTN)")
     source.add_argument("--model-path", help="a real model")
     source.add_argument("--config", default=DEFAULT_CONFIG, help="HF config.json: random weights of that shape")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
@@ -316,7 +333,9 @@ def main() -> None:
     parser.add_argument("--graph-standin", action="store_true", help="CPU: the CUDA-graph path, graphs that do nothing")
     parser.add_argument("--count-ops", action="store_true", help="kernel-launching ops per iteration, by part")
     parser.add_argument(
-        "--clock", choices=["wall", "thread"], default=None,
+        "--clock",
+        choices=["wall", "thread"],
+        default=None,
         help="wall: perf_counter; thread: this thread's CPU time, blind to other processes on a busy machine "
         "(default: thread on CPU, wall on CUDA)",
     )

@@ -22,13 +22,33 @@ import random
 import sys
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, Optional
 
 import httpx
 
 ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
-PROMPT_WORDS = "the quick brown fox jumps over a lazy dog what is capital of France hello how are you".split()
+PROMPT_WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "what",
+    "is",
+    "capital",
+    "of",
+    "France",
+    "hello",
+    "how",
+    "are",
+    "you",
+]
 
 
 @dataclass

@@ -21,10 +21,11 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import sglang as sgl  # noqa: E402
-from bench_decode import dummy_model_dir  # noqa: E402
-from trace_summary import load_events, summarize  # noqa: E402
-from sglang.srt.server_args import prepare_server_args  # noqa: E402
+from bench_decode import dummy_model_dir
+from trace_summary import load_events, summarize
+
+import sglang as sgl
+from sglang.srt.server_args import prepare_server_args
 
 
 def main() -> None:
@@ -53,7 +54,9 @@ def main() -> None:
         engine.generate(input_ids=prompts, sampling_params=params)
     for path in sorted(glob.glob(os.path.join(out_dir, "*.txt"))):
         print(f"==== {path}")
-        for table in open(path).read().split("sorted by ")[1:]:
+        with open(path) as f:
+            tables = f.read().split("sorted by ")[1:]
+        for table in tables:
             print("sorted by " + "\n".join(table.splitlines()[: args.rows + 4]))
     for path in sorted(glob.glob(os.path.join(out_dir, "*.trace.json.gz"))):
         print(f"==== timeline of {path}")

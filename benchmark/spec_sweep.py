@@ -32,6 +32,7 @@ from sglang.bench_serving import get_parser as bench_parser
 from sglang.bench_serving import run_benchmark
 from sglang.test.server_utils import kill_server, popen_launch_server
 
+
 @dataclass(frozen=True)
 class Adaptive:
     """--speculative-adaptive over these tiers (empty: the server's default tiers)."""
@@ -61,9 +62,12 @@ def server_flags(args: argparse.Namespace, config: Config) -> list[str]:
         return flags + ["--speculative-adaptive", *tiers]
     steps, topk, draft = config
     return flags + [
-        "--speculative-num-steps", str(steps),
-        "--speculative-eagle-topk", str(topk),
-        "--speculative-num-draft-tokens", str(draft),
+        "--speculative-num-steps",
+        str(steps),
+        "--speculative-eagle-topk",
+        str(topk),
+        "--speculative-num-draft-tokens",
+        str(draft),
     ]
 
 
@@ -93,7 +97,9 @@ def run_one(
     try:
         rows = []
         for concurrency in args.concurrencies or [bench_args.max_concurrency]:
-            run_args = argparse.Namespace(**{**vars(bench_args), "base_url": server.base_url, "max_concurrency": concurrency, "flush_cache": True})
+            run_args = argparse.Namespace(
+                **{**vars(bench_args), "base_url": server.base_url, "max_concurrency": concurrency, "flush_cache": True}
+            )
             for _ in range(args.warmup_passes):
                 run_benchmark(argparse.Namespace(**{**vars(run_args), "output_file": None}))
             rows.append((config, median_pass([recorded_pass(server, run_args) for _ in range(args.recorded_passes)])))
@@ -163,7 +169,9 @@ def main(argv: Optional[list[str]] = None) -> str:
     p.add_argument("--model-path", required=True)
     p.add_argument("--speculative-algorithm", choices=("EAGLE", "NEXTN"), required=True)
     p.add_argument("--speculative-draft-model-path")
-    p.add_argument("--configs", type=parse_config, nargs="+", required=True, help="steps,topk,draft_tokens ... and adaptive[:STEPS]")
+    p.add_argument(
+        "--configs", type=parse_config, nargs="+", required=True, help="steps,topk,draft_tokens ... and adaptive[:STEPS]"
+    )
     p.add_argument("--baseline", action="store_true", help="also run without speculation")
     p.add_argument("--concurrencies", type=int, nargs="+", help="run the workload at each of these --max-concurrency")
     p.add_argument("--launch-timeout", type=float, default=900.0)

@@ -15,6 +15,7 @@ import argparse
 import gzip
 import json
 from collections import defaultdict
+from itertools import pairwise
 
 _DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 _HOST_CALL_CATEGORIES = {"cuda_runtime", "cuda_driver"}
@@ -55,7 +56,7 @@ def summarize(events: list[dict], iterations: int) -> dict:
         return {"error": "no device activity in the trace"}
     span = busy[-1][1] - busy[0][0]
     busy_us = sum(e - s for s, e in busy)
-    gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:])]
+    gaps = [b[0] - a[1] for a, b in pairwise(busy)]
     gap_counts: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for gap in gaps:
         counts = gap_counts[_gap_label(gap)]
@@ -74,7 +75,9 @@ def summarize(events: list[dict], iterations: int) -> dict:
         "device_busy_us_per_iter": round(busy_us / per, 1),
         "device_busy_fraction": round(busy_us / span, 3),
         "kernels_per_iter": round(kernels / per, 1),
-        "idle_gaps_per_iter": {k: {"count": round(n / per, 1), "us": round(t / per, 1)} for k, (n, t) in sorted(gap_counts.items())},
+        "idle_gaps_per_iter": {
+            k: {"count": round(n / per, 1), "us": round(t / per, 1)} for k, (n, t) in sorted(gap_counts.items())
+        },
         "host_calls_per_iter": {
             name: {"count": round(n / per, 1), "us": round(t / per, 1)}
             for name, (n, t) in sorted(calls.items(), key=lambda kv: -kv[1][1])

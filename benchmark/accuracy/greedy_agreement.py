@@ -45,7 +45,9 @@ def main() -> None:
     server_args = prepare_server_args(["--model-path", args.model_path, *engine_argv])
     with sgl.Engine(**vars(server_args)) as engine:
         tok = engine.tokenizer_manager.tokenizer
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in PROMPTS]
+        prompts = [
+            tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in PROMPTS
+        ]
         params = {"max_new_tokens": args.max_new_tokens, "temperature": 0}
         outs = engine.generate(prompts, params)
     result = [{"prompt": p, "output_ids": o["output_ids"], "text": o["text"]} for p, o in zip(PROMPTS, outs)]

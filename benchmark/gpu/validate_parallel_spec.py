@@ -73,17 +73,35 @@ def main() -> None:
     eagle = make_eagle_head(llama, os.path.join(tmp, "eagle"))
     perfect_reference, _ = greedy(perfect, dtype="float32", disable_cuda_graph=True)
     spec_cases = [
-        (f"dsv3 NEXTN topk{k}", dsv3, references["dsv3"], {**NEXTN, "speculative_eagle_topk": k, "speculative_num_draft_tokens": n})
+        (
+            f"dsv3 NEXTN topk{k}",
+            dsv3,
+            references["dsv3"],
+            {**NEXTN, "speculative_eagle_topk": k, "speculative_num_draft_tokens": n},
+        )
         for k, n in ((1, 4), (4, 8))
     ] + [
-        ("llama EAGLE topk4", llama, references["llama"],
-         {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": eagle, "speculative_num_steps": 3,
-          "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8}),
-        ("perfect NEXTN (accept len must be 4.0 per rank)", perfect, perfect_reference,
-         {**NEXTN, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}),
+        (
+            "llama EAGLE topk4",
+            llama,
+            references["llama"],
+            {
+                "speculative_algorithm": "EAGLE",
+                "speculative_draft_model_path": eagle,
+                "speculative_num_steps": 3,
+                "speculative_eagle_topk": 4,
+                "speculative_num_draft_tokens": 8,
+            },
+        ),
+        (
+            "perfect NEXTN (accept len must be 4.0 per rank)",
+            perfect,
+            perfect_reference,
+            {**NEXTN, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4},
+        ),
     ]
     # One GPU: speculative sub-forwards eagerly and through CUDA graphs (same tokens, same accept).
-    for graphs in ((False, True) if args.gpus == 1 else (False,)):
+    for graphs in (False, True) if args.gpus == 1 else (False,):
         for name, path, reference, spec in spec_cases:
             label = f"{name} {where}" + (" cuda graphs" if graphs else "")
             rows.append(check(label, path, reference, dtype="float32", disable_cuda_graph=not graphs, **parallel, **spec))
@@ -92,14 +110,39 @@ def main() -> None:
             f.write(json.dumps(row) + "\n")
     if args.skip_throughput or args.gpus == 1:
         return
-    bench = [sys.executable, "benchmark/bench_decode.py", "--config", "benchmark/configs/deepseek-v2-lite.json",
-             "--batch-sizes", "64", "--output-len", "32", "--repeats", "2", "--result-file", os.path.join(args.out, "tp_dp_throughput.jsonl"), "--"]
-    for extra in (["--tp-size", "2", "--disable-cuda-graph"],
-                  ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--disable-cuda-graph"],
-                  ["--tp-size", "2", "--cuda-graph-max-bs", "64"],
-                  ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--cuda-graph-max-bs", "64"],
-                  ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--disable-cuda-graph", "--speculative-algorithm", "NEXTN"],
-                  ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--cuda-graph-max-bs", "64", "--speculative-algorithm", "NEXTN"]):
+    bench = [
+        sys.executable,
+        "benchmark/bench_decode.py",
+        "--config",
+        "benchmark/configs/deepseek-v2-lite.json",
+        "--batch-sizes",
+        "64",
+        "--output-len",
+        "32",
+        "--repeats",
+        "2",
+        "--result-file",
+        os.path.join(args.out, "tp_dp_throughput.jsonl"),
+        "--",
+    ]
+    for extra in (
+        ["--tp-size", "2", "--disable-cuda-graph"],
+        ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--disable-cuda-graph"],
+        ["--tp-size", "2", "--cuda-graph-max-bs", "64"],
+        ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--cuda-graph-max-bs", "64"],
+        ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--disable-cuda-graph", "--speculative-algorithm", "NEXTN"],
+        [
+            "--tp-size",
+            "2",
+            "--dp-size",
+            "2",
+            "--enable-dp-attention",
+            "--cuda-graph-max-bs",
+            "64",
+            "--speculative-algorithm",
+            "NEXTN",
+        ],
+    ):
         print("throughput:", " ".join(extra), flush=True)
         subprocess.run(bench + extra, timeout=240, check=False)
 

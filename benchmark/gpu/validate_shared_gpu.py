@@ -47,12 +47,37 @@ PARALLEL = {
 }
 SPECS = {
     "plain": [],
-    "chain": ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-              "--speculative-num-draft-tokens", "4"],
-    "tree": ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
-             "--speculative-num-draft-tokens", "8"],
-    "adaptive": ["--speculative-algorithm", "NEXTN", "--speculative-adaptive", "--speculative-adaptive-steps", "1,3,5",
-                 "--speculative-num-steps", "3", "--speculative-adaptive-schedule", "3:2,1:2,5:3,1:3"],
+    "chain": [
+        "--speculative-algorithm",
+        "NEXTN",
+        "--speculative-num-steps",
+        "3",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "4",
+    ],
+    "tree": [
+        "--speculative-algorithm",
+        "NEXTN",
+        "--speculative-num-steps",
+        "3",
+        "--speculative-eagle-topk",
+        "4",
+        "--speculative-num-draft-tokens",
+        "8",
+    ],
+    "adaptive": [
+        "--speculative-algorithm",
+        "NEXTN",
+        "--speculative-adaptive",
+        "--speculative-adaptive-steps",
+        "1,3,5",
+        "--speculative-num-steps",
+        "3",
+        "--speculative-adaptive-schedule",
+        "3:2,1:2,5:3,1:3",
+    ],
 }
 # The idle and trained checks know which DP rank each request reaches.
 ROUND_ROBIN = ["--load-balance-method", "round_robin"]
@@ -86,15 +111,29 @@ def first_difference(together: list, staggered: list, reference: list, items: li
         for i, (got, want) in enumerate(zip(outputs, reference)):
             if got != want:
                 pos = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-                return {"run": label, "prompt": i, "prompt_len": len(items[i][0]), "token": pos,
-                        "got": got[pos : pos + 4], "want": want[pos : pos + 4]}
+                return {
+                    "run": label,
+                    "prompt": i,
+                    "prompt_len": len(items[i][0]),
+                    "token": pos,
+                    "got": got[pos : pos + 4],
+                    "want": want[pos : pos + 4],
+                }
     return None
 
 
 def rank_states(url: str) -> list[dict]:
     states = requests.get(f"{url}/get_server_info", timeout=60).json()["internal_states"]
-    keep = ("dp_rank", "avg_spec_accept_length", "cuda_graph_replays", "num_running_reqs", "available_kv_tokens", "max_total_num_tokens",
-            "spec_tier_cycles", "cuda_graph_capture_mib")
+    keep = (
+        "dp_rank",
+        "avg_spec_accept_length",
+        "cuda_graph_replays",
+        "num_running_reqs",
+        "available_kv_tokens",
+        "max_total_num_tokens",
+        "spec_tier_cycles",
+        "cuda_graph_capture_mib",
+    )
     return [{k: s.get(k) for k in keep if k in s} for s in states]
 
 
@@ -151,7 +190,13 @@ def exact_reference(out: str, tiny: str, items: list) -> list:
         reference.extend(generate(server.url, items))
         return {"ok": True, "tokens": sum(map(len, reference))}
 
-    run_server(out, "exact reference: 1 rank, no speculation, eager", tiny, ["--disable-cuda-graph", "--mem-fraction-static", "0.2"], body)
+    run_server(
+        out,
+        "exact reference: 1 rank, no speculation, eager",
+        tiny,
+        ["--disable-cuda-graph", "--mem-fraction-static", "0.2"],
+        body,
+    )
     return reference
 
 
@@ -207,8 +252,23 @@ def check_trained(out: str, parallel: str, models: str, modes: list[str], num_pr
     the single-rank run's over the same requests (tokens after the first / verify steps)."""
     path = os.path.join(models, "deepseek-v3-mtp")
     if not os.path.isdir(path):
-        subprocess.run([sys.executable, "-m", "sglang.tools.train_tiny_models", "--out", models, "--device", "cuda",
-                        "--minutes", "1.5", "--models", "deepseek"], check=True, timeout=400)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "sglang.tools.train_tiny_models",
+                "--out",
+                models,
+                "--device",
+                "cuda",
+                "--minutes",
+                "1.5",
+                "--models",
+                "deepseek",
+            ],
+            check=True,
+            timeout=400,
+        )
     with open(os.path.join(models, "heldout_prompts.jsonl")) as f:
         prompts = [json.loads(line)["prompt"] for line in f][:num_prompts]
     dp = int(PARALLEL[parallel][PARALLEL[parallel].index("--dp-size") + 1])
@@ -228,21 +288,30 @@ def check_trained(out: str, parallel: str, models: str, modes: list[str], num_pr
                 r.raise_for_status()
                 meta = r.json()["meta_info"]
                 per_request.append((meta["completion_tokens"] - 1, meta["spec_verify_ct"]))
-            runs[label] = {"scheduler": [s["avg_spec_accept_length"] for s in rank_states(server.url)],
-                           "subset": subset_accept(per_request)}
+            runs[label] = {
+                "scheduler": [s["avg_spec_accept_length"] for s in rank_states(server.url)],
+                "subset": subset_accept(per_request),
+            }
             return {"ok": True, **runs[label]}
 
         run_server(out, f"trained {label}", path, flags, body)
 
     run("1 rank graphs", [*SPECS["chain"], "--cuda-graph-max-bs", "16"])
     for mode in modes:
-        run(f"{parallel} {mode}", [*PARALLEL[parallel], *SHARED, *SPECS["chain"], *ROUND_ROBIN,
-                                   *(["--disable-cuda-graph"] if mode == "eager" else [])])
+        run(
+            f"{parallel} {mode}",
+            [*PARALLEL[parallel], *SHARED, *SPECS["chain"], *ROUND_ROBIN, *(["--disable-cuda-graph"] if mode == "eager" else [])],
+        )
     single, eager, graphs = (runs.get(k) for k in ("1 rank graphs", f"{parallel} eager", f"{parallel} graphs"))
     if single and graphs:
         vs_single = max(abs(g - s) for g, s in zip(graphs["subset"], single["subset"]))
-        row = {"check": f"trained accept {parallel}", "ok": vs_single <= 0.05, "vs_single_rank_max_diff": round(vs_single, 4),
-               "graphs": graphs, "single_rank": single}
+        row = {
+            "check": f"trained accept {parallel}",
+            "ok": vs_single <= 0.05,
+            "vs_single_rank_max_diff": round(vs_single, 4),
+            "graphs": graphs,
+            "single_rank": single,
+        }
         if eager:  # the scheduler's own figures per rank: the same requests in both modes
             graphs_vs_eager = max(abs(g - e) for g, e in zip(graphs["scheduler"], eager["scheduler"]))
             row.update(ok=row["ok"] and graphs_vs_eager <= 0.02, graphs_vs_eager_max_diff=round(graphs_vs_eager, 4), eager=eager)
@@ -251,8 +320,22 @@ def check_trained(out: str, parallel: str, models: str, modes: list[str], num_pr
 
 def check_load(out: str, parallel: str, tiny: str) -> None:
     def body(server: Server) -> dict:
-        cmd = [sys.executable, "benchmark/load_test.py", "--base-url", server.url, "--num-requests", "300",
-               "--concurrency", "32", "--abort-fraction", "0.1", "--max-tokens", "24", "--total-timeout", "500"]
+        cmd = [
+            sys.executable,
+            "benchmark/load_test.py",
+            "--base-url",
+            server.url,
+            "--num-requests",
+            "300",
+            "--concurrency",
+            "32",
+            "--abort-fraction",
+            "0.1",
+            "--max-tokens",
+            "24",
+            "--total-timeout",
+            "500",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560)
         summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-1500:]
         states = rank_states(server.url)
@@ -266,9 +349,17 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     p.add_argument("--parallel", nargs="+", choices=sorted(PARALLEL), default=["tp2dp2"])
-    p.add_argument("--checks", nargs="+", choices=("exact", "perfect", "idle", "trained", "load"), default=["exact", "perfect", "idle"])
+    p.add_argument(
+        "--checks", nargs="+", choices=("exact", "perfect", "idle", "trained", "load"), default=["exact", "perfect", "idle"]
+    )
     p.add_argument("--specs", nargs="+", choices=sorted(SPECS), default=["chain", "tree"], help="exact: speculative settings")
-    p.add_argument("--modes", nargs="+", choices=("eager", "graphs"), default=["eager", "graphs"], help="exact and trained: eager and/or graphs")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=("eager", "graphs"),
+        default=["eager", "graphs"],
+        help="exact and trained: eager and/or graphs",
+    )
     p.add_argument("--trained-prompts", type=int, default=32, help="trained: held-out prompts sent, one at a time")
     p.add_argument("--models", default=os.environ.get("MODELS", "/tmp/bench_models"))
     args = p.parse_args()

@@ -90,7 +90,9 @@ def run_case(case: Case, dtype: torch.dtype, iters: int) -> str:
     fb.attn_backend = None
     err = (triton_fn().float() - native().float()).abs().max().item()
     t_native, t_triton = time_ms(native, iters), time_ms(triton_fn, iters)
-    line = f"{case.name:<42} native {t_native:9.3f} ms  triton {t_triton:8.3f} ms  x{t_native / t_triton:6.1f}  max|diff| {err:.1e}"
+    line = (
+        f"{case.name:<42} native {t_native:9.3f} ms  triton {t_triton:8.3f} ms  x{t_native / t_triton:6.1f}  max|diff| {err:.1e}"
+    )
     if case.is_decode:
         s = case.shape
         # MLA's V is a view of the latent already read as K.

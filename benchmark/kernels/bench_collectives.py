@@ -22,8 +22,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from graph_timing import capture, median_replay_ms
+
 from sglang.srt.distributed.ipc_collectives import IpcCommunicator
 
 
@@ -40,7 +40,9 @@ def _checks(comm: IpcCommunicator, rank: int, world: int, device) -> list[dict]:
     rows = []
     # Eager: sizes across the block boundary, two dtypes, all-reduce and all-gather.
     ok = True
-    for seed, (n, dtype) in enumerate([(1, torch.float32), (2047, torch.bfloat16), (2049, torch.float32), (100_000, torch.bfloat16)]):
+    for seed, (n, dtype) in enumerate(
+        [(1, torch.float32), (2047, torch.bfloat16), (2049, torch.float32), (100_000, torch.bfloat16)]
+    ):
         x = _rank_input((n,), dtype, rank, seed, device)
         comm.all_reduce(x)
         ok &= torch.equal(x, _expected_sum((n,), dtype, world, seed, device))
@@ -66,7 +68,9 @@ def _checks(comm: IpcCommunicator, rank: int, world: int, device) -> list[dict]:
         graph.replay()
         expected = _expected_sum((4096,), torch.bfloat16, world, 500 + seed, device)
         ok &= torch.equal(outs[0], expected) and torch.equal(outs[2], (expected * 2 * world).to(torch.bfloat16))
-        ok &= torch.equal(outs[1], torch.cat([_rank_input((4096,), torch.bfloat16, r, 500 + seed, device)[:16] for r in range(world)]))
+        ok &= torch.equal(
+            outs[1], torch.cat([_rank_input((4096,), torch.bfloat16, r, 500 + seed, device)[:16] for r in range(world)])
+        )
         y = _rank_input((3000,), torch.float32, rank, 900 + seed, device)
         comm.all_reduce(y)
         ok &= torch.equal(y, _expected_sum((3000,), torch.float32, world, 900 + seed, device))
@@ -93,9 +97,9 @@ def _rank(rank: int, args, port: int, results) -> None:
     for kb in args.sizes_kb:
         x = torch.ones(kb * 1024 // 2, dtype=torch.bfloat16, device=device)
         row = {"world": args.world, "gpu_id_step": args.gpu_id_step, "bytes": kb * 1024}
-        row["ipc_all_reduce_us"] = round(_latency_us(lambda: comm.all_reduce(x), args.per_graph, args.repeats), 1)
+        row["ipc_all_reduce_us"] = round(_latency_us(lambda x=x: comm.all_reduce(x), args.per_graph, args.repeats), 1)
         if not shared:
-            row["nccl_all_reduce_us"] = round(_latency_us(lambda: dist.all_reduce(x), args.per_graph, args.repeats), 1)
+            row["nccl_all_reduce_us"] = round(_latency_us(lambda x=x: dist.all_reduce(x), args.per_graph, args.repeats), 1)
         rows.append(row)
     dist.barrier(group=cpu_group)
     results.put((rank, rows))
@@ -125,7 +129,9 @@ def main() -> None:
     failed = False
     for row in per_rank[0]:
         if "check" in row:
-            row["ok"] = all(r.get("ok", True) for rank_rows in per_rank.values() for r in rank_rows if r.get("check") == row["check"])
+            row["ok"] = all(
+                r.get("ok", True) for rank_rows in per_rank.values() for r in rank_rows if r.get("check") == row["check"]
+            )
             failed |= not row["ok"]
         print(json.dumps(row), flush=True)
         if args.jsonl:

@@ -25,16 +25,18 @@ import math
 import multiprocessing
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, TextIO
+from typing import Optional, TextIO
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
 
-from graph_timing import capture, median_replay_ms  # noqa: E402  (this folder)
+from graph_timing import capture, median_replay_ms
+
 from sglang.srt.kernels.elementwise import silu_and_mul
 from sglang.srt.kernels.gemv import GemvConfig, gemv, table_to_json
 from sglang.srt.kernels.tuned import write_table
@@ -154,8 +156,7 @@ def implementations(shape: Shape, x: torch.Tensor, pdl: bool) -> dict[str, Calla
 def make_weights(shape: Shape, copies: int) -> list[torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(shape.n + shape.k)
     return [
-        (torch.randn(shape.n, shape.k, device="cuda", generator=gen) * shape.k**-0.5).to(torch.bfloat16)
-        for _ in range(copies)
+        (torch.randn(shape.n, shape.k, device="cuda", generator=gen) * shape.k**-0.5).to(torch.bfloat16) for _ in range(copies)
     ]
 
 

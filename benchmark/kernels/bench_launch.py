@@ -18,27 +18,33 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
 
-from triton.runtime.jit import JITFunction  # noqa: E402
-
-from sglang.srt.kernels.elementwise import fused_add_rms_norm  # noqa: E402
-from sglang.srt.kernels.moe.grouped_gemm import fused_moe  # noqa: E402
-from sglang.srt.kernels.moe.routing_config import RoutingConfig  # noqa: E402
-from sglang.srt.kernels.moe.routing import router_logits, select_experts_triton  # noqa: E402
+from sglang.srt.kernels.elementwise import fused_add_rms_norm
+from sglang.srt.kernels.moe.grouped_gemm import fused_moe
+from sglang.srt.kernels.moe.routing import router_logits, select_experts_triton
+from sglang.srt.kernels.moe.routing_config import RoutingConfig
 
 # The small trained DeepSeek's routing (benchmark/configs/deepseek-v3-small-mtp.json).
 ROUTING = RoutingConfig(
-    top_k=2, num_experts=8, scoring_func="sigmoid", topk_method="noaux_tc", num_expert_group=4, topk_group=2,
-    renormalize=True, routed_scaling_factor=2.5, num_shared_experts=1,
+    top_k=2,
+    num_experts=8,
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+    num_expert_group=4,
+    topk_group=2,
+    renormalize=True,
+    routed_scaling_factor=2.5,
+    num_shared_experts=1,
 )
 
 

@@ -12,6 +12,7 @@ tile's. One JSON line per (case, tile), then the best tile per case.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -20,9 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
 
-from graph_timing import capture, median_replay_ms  # noqa: E402  (this folder)
-from sglang.srt.kernels.attention.common import HeadDimTiling  # noqa: E402
-from sglang.srt.kernels.attention.decode import (  # noqa: E402
+from graph_timing import capture, median_replay_ms
+
+from sglang.srt.kernels.attention.common import HeadDimTiling
+from sglang.srt.kernels.attention.decode import (
     DecodeTile,
     decode_attention,
     default_tile,
@@ -70,7 +72,7 @@ def main() -> int:
         want = out.clone()
         results = {}
         for tile in TILES:
-            run = lambda t=tile: decode_attention(q, k, v, out, indptr, indices, splits, LK**-0.5, t)  # noqa: E731
+            run = functools.partial(decode_attention, q, k, v, out, indptr, indices, splits, LK**-0.5, tile)
             us = time_us(run, args.calls, args.replays)
             err = (out.float() - want.float()).abs().max().item()
             results[tile] = us

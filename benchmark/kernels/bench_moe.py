@@ -32,21 +32,22 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
 
-from graph_timing import capture, median_replay_ms  # noqa: E402  (this folder)
+from graph_timing import capture, median_replay_ms
+
 from sglang.srt.kernels.elementwise import silu_and_mul
 from sglang.srt.kernels.moe.grouped_gemm import fused_moe
-from sglang.srt.kernels.moe.tiles import TILE_TABLE, GemmTile, MoeKernelConfig, kernel_config
-from sglang.srt.kernels.moe.routing_config import RoutingConfig
 from sglang.srt.kernels.moe.routing import router_logits, select_experts_triton
+from sglang.srt.kernels.moe.routing_config import RoutingConfig
+from sglang.srt.kernels.moe.tiles import TILE_TABLE, GemmTile, MoeKernelConfig, kernel_config
 from sglang.srt.kernels.tuned import write_table
 
 # benchmark/configs/deepseek-v2-lite.json at TP 1.
@@ -61,11 +62,32 @@ MAIN_SMALL = MoeKernelConfig(16, GemmTile(32, 64, 4, 4), GemmTile(32, 64, 4, 4))
 MAIN_LARGE = MoeKernelConfig(64, GemmTile(64, 64, 4, 3), GemmTile(64, 64, 4, 3))
 
 # Candidates (block_n, block_k, num_warps, num_stages) per family; w13's and w2's are swept in turn.
-GEMV_W13 = [(8, 256, 4, 3), (16, 128, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4), (16, 256, 4, 1),
-            (32, 128, 4, 3), (32, 128, 8, 4), (16, 512, 8, 3)]
-GEMV_W2 = [(4, 256, 4, 3), (8, 128, 4, 3), (8, 256, 4, 3), (8, 256, 4, 5), (8, 256, 4, 1),
-           (16, 128, 4, 4), (16, 256, 4, 4), (8, 512, 4, 4), (8, 512, 4, 6), (8, 512, 8, 4),
-           (4, 512, 4, 4), (4, 512, 2, 4), (2, 512, 2, 4), (4, 1024, 4, 3)]
+GEMV_W13 = [
+    (8, 256, 4, 3),
+    (16, 128, 4, 3),
+    (16, 256, 4, 3),
+    (16, 256, 4, 4),
+    (16, 256, 4, 1),
+    (32, 128, 4, 3),
+    (32, 128, 8, 4),
+    (16, 512, 8, 3),
+]
+GEMV_W2 = [
+    (4, 256, 4, 3),
+    (8, 128, 4, 3),
+    (8, 256, 4, 3),
+    (8, 256, 4, 5),
+    (8, 256, 4, 1),
+    (16, 128, 4, 4),
+    (16, 256, 4, 4),
+    (8, 512, 4, 4),
+    (8, 512, 4, 6),
+    (8, 512, 8, 4),
+    (4, 512, 4, 4),
+    (4, 512, 2, 4),
+    (2, 512, 2, 4),
+    (4, 1024, 4, 3),
+]
 GROUPED = [(32, 64, 4, 4), (64, 64, 4, 4), (32, 128, 4, 4), (16, 128, 4, 4)]
 
 
@@ -139,9 +161,15 @@ class Bench:
         if not self.ref:
             self.ref = outs
         ok = all(torch.allclose(o.float(), r.float(), atol=5e-2, rtol=5e-2) for o, r in zip(outs, self.ref))
-        line = {"tokens": self.num_tokens, "path": path, "ms": round(ms, 5), "tb_s": round(self.bytes / ms / 1e9, 3),
-                "config": None if config is None else dataclasses.asdict(config), "matches_main": ok,
-                "elapsed_s": round(time.time() - BEGAN, 1)}
+        line = {
+            "tokens": self.num_tokens,
+            "path": path,
+            "ms": round(ms, 5),
+            "tb_s": round(self.bytes / ms / 1e9, 3),
+            "config": None if config is None else dataclasses.asdict(config),
+            "matches_main": ok,
+            "elapsed_s": round(time.time() - BEGAN, 1),
+        }
         print(json.dumps(line), flush=True)
         if ok and config is not None:
             self.results.append((ms, path, config))
@@ -185,8 +213,16 @@ def run_tokens(num_tokens: int, layers: list[Layer], reps: int, deadline: float,
     if num_pairs > 64:
         bench.sweep(MAIN_LARGE, GROUPED, GROUPED)
     best_ms, best_path, best_config = bench.best()
-    summary = dict(tokens=num_tokens, pairs=num_pairs, main_ms=main_ms, table_ms=table_ms, best_ms=best_ms,
-                   best_path=best_path, best=best_config, tb_s=bench.bytes / best_ms / 1e9)
+    summary = dict(
+        tokens=num_tokens,
+        pairs=num_pairs,
+        main_ms=main_ms,
+        table_ms=table_ms,
+        best_ms=best_ms,
+        best_path=best_path,
+        best=best_config,
+        tb_s=bench.bytes / best_ms / 1e9,
+    )
     return summary, grouped16
 
 
@@ -196,7 +232,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="distinct layers per graph (HBM, not L2)")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--budget", type=float, default=90, help="seconds after which the sweeps stop early")
-    parser.add_argument("--write-table", action="store_true", help="store the best configs where the kernels read them (kernels/tuned/)")
+    parser.add_argument(
+        "--write-table", action="store_true", help="store the best configs where the kernels read them (kernels/tuned/)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_moe needs a CUDA device")
@@ -209,9 +247,11 @@ def main() -> None:
 
     print(f"\n# {time.time() - BEGAN:.0f} s. Per MoE layer (x {MOE_LAYERS} layers per V2-Lite step):")
     for s in summary:
-        print(f"#   {s['tokens']:>3} tokens: main {s['main_ms']:.4f} ms, table {s['table_ms']:.4f} ms, best "
-              f"{s['best_ms']:.4f} ms ({s['best_path']}, {s['tb_s']:.2f} TB/s); best saves "
-              f"{(s['main_ms'] - s['best_ms']) * MOE_LAYERS:.3f} ms per step over main")
+        print(
+            f"#   {s['tokens']:>3} tokens: main {s['main_ms']:.4f} ms, table {s['table_ms']:.4f} ms, best "
+            f"{s['best_ms']:.4f} ms ({s['best_path']}, {s['tb_s']:.2f} TB/s); best saves "
+            f"{(s['main_ms'] - s['best_ms']) * MOE_LAYERS:.3f} ms per step over main"
+        )
     print("# Recommended TILE_TABLE rows for python/sglang/srt/kernels/moe/tiles.py (pair bounds are the")
     print("# measured batches' pairs; keep a final sys.maxsize row):")
     for s in summary:

@@ -24,8 +24,9 @@ import json
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator, Optional
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import requests
 
@@ -146,7 +147,7 @@ async def send_request(client: StreamClient, url: str, req: BenchRequest) -> Req
         result.ok = result.completion_tokens == req.output_len
         if not result.ok:
             result.error = f"got {result.completion_tokens} tokens, asked {req.output_len}"
-    except Exception as e:  # noqa: BLE001 - any failure is reported per request
+    except Exception as e:
         result.error = repr(e)
     return result
 
@@ -182,7 +183,7 @@ def _stats(name: str, values: list[float], scale: float = 1e3) -> dict[str, floa
     if not values:
         return {}
     ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
     return {
         f"mean_{name}_ms": statistics.fmean(values) * scale,
         f"median_{name}_ms": statistics.median(values) * scale,
@@ -295,13 +296,15 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--dataset-name", choices=("random", "file"), default="random")
-    p.add_argument("--dataset-path", help="JSONL of {\"prompt\": ..., \"output_len\"?: ...} for --dataset-name file")
+    p.add_argument("--dataset-path", help='JSONL of {"prompt": ..., "output_len"?: ...} for --dataset-name file')
     p.add_argument("--tokenizer", help="for random prompts' vocabulary (default: the server's tokenizer path)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=128, help="also the output length of file prompts without one")
     p.add_argument(
-        "--random-range-ratio", type=float, default=0.0,
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
         help="random lengths uniform in [max(1, ratio * len), len]; 0.0 as in SGLang, 1.0 for fixed lengths",
     )
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once)")

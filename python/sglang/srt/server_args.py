@@ -28,7 +28,7 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 # Flags that parse but whose feature this engine does not implement: a clear error at startup.
 # Each entry: (predicate on ServerArgs, message).
-_NOT_SUPPORTED_YET: list[tuple[typing.Callable[["ServerArgs"], bool], str]] = []
+_NOT_SUPPORTED_YET: list[tuple[typing.Callable[[ServerArgs], bool], str]] = []
 
 
 def _arg(help: str, *, flags: tuple[str, ...] = (), choices: tuple | None = None, **extra) -> dict:
@@ -38,43 +38,95 @@ def _arg(help: str, *, flags: tuple[str, ...] = (), choices: tuple | None = None
 @dataclass
 class ServerArgs:
     # Model and tokenizer
-    model_path: str = field(metadata=_arg("Path of the model: an HF directory, a GGUF file, or SmolLM2-135M-Instruct.", required=True))
+    model_path: str = field(
+        metadata=_arg("Path of the model: an HF directory, a GGUF file, or SmolLM2-135M-Instruct.", required=True)
+    )
     tokenizer_path: Optional[str] = field(default=None, metadata=_arg("Path of the tokenizer (defaults to the model path)."))
-    skip_tokenizer_init: bool = field(default=False, metadata=_arg("Load no tokenizer: requests give input_ids, outputs carry output_ids (empty text); the OpenAI endpoints are refused."))
-    load_format: str = field(default="auto", metadata=_arg("Weight format; 'dummy' makes random weights from the config.", choices=LOAD_FORMATS))
+    skip_tokenizer_init: bool = field(
+        default=False,
+        metadata=_arg(
+            "Load no tokenizer: requests give input_ids, outputs carry output_ids (empty text); the OpenAI endpoints are refused."
+        ),
+    )
+    load_format: str = field(
+        default="auto", metadata=_arg("Weight format; 'dummy' makes random weights from the config.", choices=LOAD_FORMATS)
+    )
     trust_remote_code: bool = field(default=False, metadata=_arg("Allow custom model code from the hub (configs only here)."))
-    dtype: str = field(default="auto", metadata=_arg("Weight and activation dtype; auto is bfloat16 on CUDA, float32 on CPU.", choices=DTYPES))
-    device: Optional[str] = field(default=None, metadata=_arg("cuda or cpu; defaults to cuda when available.", choices=("cuda", "cpu")))
+    dtype: str = field(
+        default="auto", metadata=_arg("Weight and activation dtype; auto is bfloat16 on CUDA, float32 on CPU.", choices=DTYPES)
+    )
+    device: Optional[str] = field(
+        default=None, metadata=_arg("cuda or cpu; defaults to cuda when available.", choices=("cuda", "cpu"))
+    )
     context_length: Optional[int] = field(default=None, metadata=_arg("Maximum context length (defaults to the model config's)."))
-    served_model_name: Optional[str] = field(default=None, metadata=_arg("Model name reported by the OpenAI API (defaults to the model path)."))
+    served_model_name: Optional[str] = field(
+        default=None, metadata=_arg("Model name reported by the OpenAI API (defaults to the model path).")
+    )
     revision: Optional[str] = field(default=None, metadata=_arg("Accepted for SGLang compatibility; local paths only."))
 
     # HTTP server
     host: str = field(default="127.0.0.1", metadata=_arg("HTTP host."))
     port: int = field(default=30000, metadata=_arg("HTTP port."))
-    api_key: Optional[str] = field(default=None, metadata=_arg("Require this key as a Bearer token on every endpoint but the probes /health, /health_generate and /metrics; no endpoint returns it."))
+    api_key: Optional[str] = field(
+        default=None,
+        metadata=_arg(
+            "Require this key as a Bearer token on every endpoint but the probes /health, /health_generate and /metrics; no endpoint returns it."
+        ),
+    )
     stream_output: bool = field(default=False, metadata=_arg("Stream only the new text of each chunk (SGLang's stream_output)."))
-    stream_interval: int = field(default=1, metadata=_arg("Send a streaming request's new tokens once this many have gathered (its first token at once): fewer, larger chunks."))
-    skip_server_warmup: bool = field(default=False, metadata=_arg("Skip the warm-up generation at startup: /health answers 200 as soon as HTTP is up."))
+    stream_interval: int = field(
+        default=1,
+        metadata=_arg(
+            "Send a streaming request's new tokens once this many have gathered (its first token at once): fewer, larger chunks."
+        ),
+    )
+    skip_server_warmup: bool = field(
+        default=False, metadata=_arg("Skip the warm-up generation at startup: /health answers 200 as soon as HTTP is up.")
+    )
 
     # Memory and scheduling
     mem_fraction_static: Optional[float] = field(default=None, metadata=_arg("Fraction of GPU memory for weights and KV cache."))
-    max_total_tokens: Optional[int] = field(default=None, metadata=_arg("Size of the KV pool in tokens (overrides the memory-based size)."))
+    max_total_tokens: Optional[int] = field(
+        default=None, metadata=_arg("Size of the KV pool in tokens (overrides the memory-based size).")
+    )
     max_running_requests: Optional[int] = field(default=None, metadata=_arg("Maximum running requests per DP rank."))
-    chunked_prefill_size: Optional[int] = field(default=None, metadata=_arg("Maximum prefill tokens per chunk; -1 disables chunking."))
+    chunked_prefill_size: Optional[int] = field(
+        default=None, metadata=_arg("Maximum prefill tokens per chunk; -1 disables chunking.")
+    )
     max_prefill_tokens: int = field(default=16384, metadata=_arg("Maximum tokens in one prefill batch."))
     schedule_policy: str = field(default="fcfs", metadata=_arg("Request ordering for prefill.", choices=("fcfs", "lpm")))
     disable_radix_cache: bool = field(default=False, metadata=_arg("Turn prefix caching off."))
     page_size: int = field(default=1, metadata=_arg("Tokens per KV page."))
-    num_continuous_decode_steps: int = field(default=1, metadata=_arg("While requests decode, prefill new ones only after this many decode steps (or speculative cycles) in a row since the last prefill; 1 prefills waiting requests at once. Fewer, larger prefills when requests arrive one by one, for up to that many steps more time to first token."))
-    disable_overlap_schedule: bool = field(default=False, metadata=_arg("Wait for each step's tokens before scheduling the next one (by default the next step, or speculative cycle, is scheduled while the device runs this one)."))
-    watchdog_timeout: float = field(default=300, metadata=_arg("Seconds a scheduler may be stuck in one step before the server exits."))
-    scheduler_stall_timeout: float = field(default=20, metadata=_arg("/health answers 503 while a scheduler has not finished an iteration for this many seconds (an idle one finishes one every 0.1 s)."))
+    num_continuous_decode_steps: int = field(
+        default=1,
+        metadata=_arg(
+            "While requests decode, prefill new ones only after this many decode steps (or speculative cycles) in a row since the last prefill; 1 prefills waiting requests at once. Fewer, larger prefills when requests arrive one by one, for up to that many steps more time to first token."
+        ),
+    )
+    disable_overlap_schedule: bool = field(
+        default=False,
+        metadata=_arg(
+            "Wait for each step's tokens before scheduling the next one (by default the next step, or speculative cycle, is scheduled while the device runs this one)."
+        ),
+    )
+    watchdog_timeout: float = field(
+        default=300, metadata=_arg("Seconds a scheduler may be stuck in one step before the server exits.")
+    )
+    scheduler_stall_timeout: float = field(
+        default=20,
+        metadata=_arg(
+            "/health answers 503 while a scheduler has not finished an iteration for this many seconds (an idle one finishes one every 0.1 s)."
+        ),
+    )
 
     # Kernels and CUDA graphs
-    attention_backend: Optional[str] = field(default=None, metadata=_arg("Attention kernels; triton on CUDA, torch_native on CPU.", choices=ATTENTION_BACKENDS))
+    attention_backend: Optional[str] = field(
+        default=None, metadata=_arg("Attention kernels; triton on CUDA, torch_native on CPU.", choices=ATTENTION_BACKENDS)
+    )
     disable_cuda_graph: bool = field(default=False, metadata=_arg("Run every forward eagerly."))
-    disable_cuda_graph_padding: bool = field(default=False, metadata=_arg("Use CUDA graphs only for batch sizes captured exactly (no padding)."))
+    disable_cuda_graph_padding: bool = field(
+        default=False, metadata=_arg("Use CUDA graphs only for batch sizes captured exactly (no padding).")
+    )
     cuda_graph_max_bs: Optional[int] = field(default=None, metadata=_arg("Largest per-rank batch size captured in a CUDA graph."))
     cuda_graph_bs: Optional[list[int]] = field(default=None, metadata=_arg("Batch sizes to capture.", nargs="+", type=int))
     enable_nan_detection: bool = field(default=False, metadata=_arg("Detect NaN logits and report them instead of sampling."))
@@ -83,26 +135,76 @@ class ServerArgs:
     tp_size: int = field(default=1, metadata=_arg("Tensor-parallel size.", flags=("--tensor-parallel-size", "--tp-size")))
     dp_size: int = field(default=1, metadata=_arg("Data-parallel size.", flags=("--data-parallel-size", "--dp-size")))
     enable_dp_attention: bool = field(default=False, metadata=_arg("Data-parallel attention with tensor-parallel MLP/MoE."))
-    dp_prefill_align_iters: int = field(default=0, metadata=_arg("DP attention: a rank with requests to prefill may hold them while its peers decode, for up to this many iterations, until the other ranks want to prefill too, so that one prefill iteration serves several ranks (0: prefill at once)."))
-    load_balance_method: Optional[str] = field(default=None, metadata=_arg("How the DP controller picks a DP rank for each request: ranks in turn, fewest outstanding requests, or fewest outstanding tokens (prompt not yet prefilled plus max_new_tokens not yet generated); defaults to minimum_tokens with --enable-dp-attention, else round_robin.", choices=LOAD_BALANCE_METHODS))
+    dp_prefill_align_iters: int = field(
+        default=0,
+        metadata=_arg(
+            "DP attention: a rank with requests to prefill may hold them while its peers decode, for up to this many iterations, until the other ranks want to prefill too, so that one prefill iteration serves several ranks (0: prefill at once)."
+        ),
+    )
+    load_balance_method: Optional[str] = field(
+        default=None,
+        metadata=_arg(
+            "How the DP controller picks a DP rank for each request: ranks in turn, fewest outstanding requests, or fewest outstanding tokens (prompt not yet prefilled plus max_new_tokens not yet generated); defaults to minimum_tokens with --enable-dp-attention, else round_robin.",
+            choices=LOAD_BALANCE_METHODS,
+        ),
+    )
     dist_init_addr: Optional[str] = field(default=None, metadata=_arg("host:port of rank 0 for torch.distributed across nodes."))
     nnodes: int = field(default=1, metadata=_arg("Number of nodes."))
     node_rank: int = field(default=0, metadata=_arg("Rank of this node."))
-    base_gpu_id: int = field(default=0, metadata=_arg("GPU of this node's first rank; rank r of the node uses GPU base_gpu_id + r * gpu_id_step."))
-    gpu_id_step: int = field(default=1, metadata=_arg("GPU id step between a node's ranks; 0 puts every rank on one GPU (collectives then go through the IPC buffers, never NCCL)."))
-    disable_custom_all_reduce: bool = field(default=False, metadata=_arg("Run every GPU collective through NCCL instead of the IPC buffers between the ranks of one node."))
-    custom_collective_buffer_mb: Optional[float] = field(default=None, metadata=_arg("MiB per data slot of the IPC collective buffers (two slots per group and rank); defaults to the largest message the engine sends, capped at 64 when NCCL can take larger ones."))
+    base_gpu_id: int = field(
+        default=0, metadata=_arg("GPU of this node's first rank; rank r of the node uses GPU base_gpu_id + r * gpu_id_step.")
+    )
+    gpu_id_step: int = field(
+        default=1,
+        metadata=_arg(
+            "GPU id step between a node's ranks; 0 puts every rank on one GPU (collectives then go through the IPC buffers, never NCCL)."
+        ),
+    )
+    disable_custom_all_reduce: bool = field(
+        default=False,
+        metadata=_arg("Run every GPU collective through NCCL instead of the IPC buffers between the ranks of one node."),
+    )
+    custom_collective_buffer_mb: Optional[float] = field(
+        default=None,
+        metadata=_arg(
+            "MiB per data slot of the IPC collective buffers (two slots per group and rank); defaults to the largest message the engine sends, capped at 64 when NCCL can take larger ones."
+        ),
+    )
 
     # Speculative decoding
-    speculative_algorithm: Optional[str] = field(default=None, metadata=_arg("Speculative decoding algorithm.", choices=SPECULATIVE_ALGORITHMS))
-    speculative_draft_model_path: Optional[str] = field(default=None, metadata=_arg("Draft model path (NEXTN defaults to the target checkpoint)."))
+    speculative_algorithm: Optional[str] = field(
+        default=None, metadata=_arg("Speculative decoding algorithm.", choices=SPECULATIVE_ALGORITHMS)
+    )
+    speculative_draft_model_path: Optional[str] = field(
+        default=None, metadata=_arg("Draft model path (NEXTN defaults to the target checkpoint).")
+    )
     speculative_num_steps: Optional[int] = field(default=None, metadata=_arg("Draft steps per cycle."))
     speculative_eagle_topk: Optional[int] = field(default=None, metadata=_arg("Branching factor of the draft tree per step."))
     speculative_num_draft_tokens: Optional[int] = field(default=None, metadata=_arg("Tokens verified per request per cycle."))
-    speculative_accept_check: bool = field(default=False, metadata=_arg("At startup, run a fixed prompt set speculatively (with and without CUDA graphs) on every DP rank; fail unless the outputs equal the non-speculative ones and no rank's accept length falls behind the others."))
-    speculative_adaptive: bool = field(default=False, metadata=_arg("Switch the draft steps per cycle between the tiers of --speculative-adaptive-steps by the recent accept length and batch size; every DP rank takes the same decision (topk 1 chains only)."))
-    speculative_adaptive_steps: Optional[str] = field(default=None, metadata=_arg("--speculative-adaptive: the tiers' draft steps, comma-separated (each tier verifies steps + 1 tokens); --speculative-num-steps is the starting tier and must be one of them (default: the largest)."))
-    speculative_adaptive_schedule: Optional[str] = field(default=None, metadata=_arg("Testing: replace the adaptive decision by a fixed schedule of steps:cycles pairs, repeated (e.g. 3:4,1:2,5:3: four decode cycles at 3 steps, two at 1, three at 5, again)."))
+    speculative_accept_check: bool = field(
+        default=False,
+        metadata=_arg(
+            "At startup, run a fixed prompt set speculatively (with and without CUDA graphs) on every DP rank; fail unless the outputs equal the non-speculative ones and no rank's accept length falls behind the others."
+        ),
+    )
+    speculative_adaptive: bool = field(
+        default=False,
+        metadata=_arg(
+            "Switch the draft steps per cycle between the tiers of --speculative-adaptive-steps by the recent accept length and batch size; every DP rank takes the same decision (topk 1 chains only)."
+        ),
+    )
+    speculative_adaptive_steps: Optional[str] = field(
+        default=None,
+        metadata=_arg(
+            "--speculative-adaptive: the tiers' draft steps, comma-separated (each tier verifies steps + 1 tokens); --speculative-num-steps is the starting tier and must be one of them (default: the largest)."
+        ),
+    )
+    speculative_adaptive_schedule: Optional[str] = field(
+        default=None,
+        metadata=_arg(
+            "Testing: replace the adaptive decision by a fixed schedule of steps:cycles pairs, repeated (e.g. 3:4,1:2,5:3: four decode cycles at 3 steps, two at 1, three at 5, again)."
+        ),
+    )
 
     # Observability
     log_level: str = field(default="info", metadata=_arg("Logging level.", choices=("debug", "info", "warning", "error")))
@@ -182,7 +284,9 @@ class ServerArgs:
             if self.dp_size == 1:
                 raise ValueError("--enable-dp-attention needs --dp-size > 1")
             if self.tp_size % self.dp_size != 0:
-                raise ValueError(f"--tp-size ({self.tp_size}) must be divisible by --dp-size ({self.dp_size}) with --enable-dp-attention")
+                raise ValueError(
+                    f"--tp-size ({self.tp_size}) must be divisible by --dp-size ({self.dp_size}) with --enable-dp-attention"
+                )
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, --nnodes); got {self.node_rank} with --nnodes {self.nnodes}")
         if self.nnodes > 1 and self.dist_init_addr is None:
@@ -229,9 +333,13 @@ class ServerArgs:
             raise ValueError(f"--custom-collective-buffer-mb must be positive, got {self.custom_collective_buffer_mb}")
         if self.ranks_share_gpu:
             if self.nnodes > 1:
-                raise ValueError("--gpu-id-step 0 (ranks sharing one GPU) needs --nnodes 1: NCCL, which links nodes, refuses two ranks on one GPU")
+                raise ValueError(
+                    "--gpu-id-step 0 (ranks sharing one GPU) needs --nnodes 1: NCCL, which links nodes, refuses two ranks on one GPU"
+                )
             if self.disable_custom_all_reduce:
-                raise ValueError("--disable-custom-all-reduce cannot be used with --gpu-id-step 0: NCCL refuses two ranks on one GPU")
+                raise ValueError(
+                    "--disable-custom-all-reduce cannot be used with --gpu-id-step 0: NCCL refuses two ranks on one GPU"
+                )
 
     def _check_speculative(self) -> None:
         spec_flags = {
@@ -247,8 +355,10 @@ class ServerArgs:
             if given:
                 raise ValueError(f"{given[0]} needs --speculative-algorithm")
         if not self.speculative_adaptive:
-            for name, value in [("--speculative-adaptive-steps", self.speculative_adaptive_steps),
-                                ("--speculative-adaptive-schedule", self.speculative_adaptive_schedule)]:
+            for name, value in [
+                ("--speculative-adaptive-steps", self.speculative_adaptive_steps),
+                ("--speculative-adaptive-schedule", self.speculative_adaptive_schedule),
+            ]:
                 if value is not None:
                     raise ValueError(f"{name} needs --speculative-adaptive")
         if self.speculative_algorithm is None:
@@ -260,7 +370,9 @@ class ServerArgs:
             raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} needs --speculative-draft-model-path")
         steps, topk, draft = self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens
         if steps is None:
-            raise ValueError("--speculative-num-steps is needed when --speculative-eagle-topk or --speculative-num-draft-tokens is set")
+            raise ValueError(
+                "--speculative-num-steps is needed when --speculative-eagle-topk or --speculative-num-draft-tokens is set"
+            )
         if draft is None:
             raise ValueError(f"--speculative-num-draft-tokens is needed with --speculative-eagle-topk {topk}")
         max_draft = 1 + topk + (steps - 1) * topk * topk  # the root plus every drafted candidate
@@ -383,9 +495,14 @@ class ServerArgs:
 _NOT_SUPPORTED_YET.extend(
     [
         (lambda a: a.page_size != 1, "--page-size other than 1 is not supported yet"),
-        (lambda a: a.nnodes > 1 and a.dp_size > 1 and not a.enable_dp_attention,
-         "--dp-size replicas across --nnodes > 1 are not supported yet (use --enable-dp-attention)"),
-        (lambda a: a.speculative_algorithm == "EAGLE3", "--speculative-algorithm EAGLE3 is not supported yet; use EAGLE or NEXTN"),
+        (
+            lambda a: a.nnodes > 1 and a.dp_size > 1 and not a.enable_dp_attention,
+            "--dp-size replicas across --nnodes > 1 are not supported yet (use --enable-dp-attention)",
+        ),
+        (
+            lambda a: a.speculative_algorithm == "EAGLE3",
+            "--speculative-algorithm EAGLE3 is not supported yet; use EAGLE or NEXTN",
+        ),
     ]
 )
 
@@ -494,7 +611,7 @@ class PortArgs:
         return self.nccl_ports[0]
 
     @classmethod
-    def init_new(cls, server_args: ServerArgs) -> "PortArgs":
+    def init_new(cls, server_args: ServerArgs) -> PortArgs:
         import tempfile
 
         run_dir = tempfile.mkdtemp(prefix="sglang-")
@@ -502,7 +619,7 @@ class PortArgs:
         if server_args.nnodes > 1:
             host, port = server_args.dist_init_addr.rsplit(":", 1)
             base = int(port)
-            tcp = lambda offset: f"tcp://{host}:{base + offset}"  # noqa: E731
+            tcp = lambda offset: f"tcp://{host}:{base + offset}"
             return cls(
                 scheduler_input_ipc_name=tcp(1),
                 dp_input_ipc_names=tuple(tcp(4 + r) for r in range(server_args.dp_size)),
@@ -512,7 +629,7 @@ class PortArgs:
                 nccl_ports=(base,),
                 run_dir=run_dir,
             )
-        ipc = lambda name: f"ipc://{run_dir}/{name}"  # noqa: E731
+        ipc = lambda name: f"ipc://{run_dir}/{name}"
         return cls(
             scheduler_input_ipc_name=ipc("scheduler_input"),
             dp_input_ipc_names=tuple(ipc(f"dp_input_{r}") for r in range(server_args.dp_size)),

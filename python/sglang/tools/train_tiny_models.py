@@ -29,7 +29,8 @@ import os
 import sysconfig
 import tempfile
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -52,16 +53,42 @@ DEEPSEEK_SHAPES = {
     # 12 layers for one MTP layer: a draft step must cost a small part of a target step, as in
     # DeepSeek-V3 (61 layers); with 3, a speculative cycle costs 3 plain steps and cannot pay.
     "small": dict(
-        hidden_size=256, intermediate_size=768, moe_intermediate_size=192, num_hidden_layers=12,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64,
-        qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+        hidden_size=256,
+        intermediate_size=768,
+        moe_intermediate_size=192,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
     ),
     "tiny": dict(
-        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
-        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=24,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
     ),
 }
 
@@ -267,7 +294,9 @@ def save_deepseek(model: DeepseekV3ForCausalLM, head: MTPHead, out_dir: str, dty
     state.update({prefix + k: v.detach().to("cpu", dtype) for k, v in head.checkpoint_extras().items()})
     state[prefix + "shared_head.head.weight"] = state["lm_head.weight"].clone()
     state[prefix + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
-    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"}
+    )
     config.dtype = dtype
     config.architectures = ["DeepseekV3ForCausalLM"]
     config.save_pretrained(out_dir)

@@ -47,7 +47,7 @@ class LayerAttention(Protocol):
         k: Optional[torch.Tensor],
         v: Optional[torch.Tensor],
         layer: Any,  # the calling layers.radix_attention.RadixAttention
-        forward_batch: "ForwardBatch",
+        forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
         """Attention of q over the layer's KV, after storing k and v (unless None) at out_cache_loc."""
@@ -101,8 +101,8 @@ class ForwardBatch:
     gathered_buffer: Optional[torch.Tensor] = None
     # Set by the model runner before the forward.
     attn_backend: Optional[LayerAttention] = None
-    req_to_token_pool: Optional["ReqToTokenPool"] = None
-    token_to_kv_pool: Optional["KVPool"] = None
+    req_to_token_pool: Optional[ReqToTokenPool] = None
+    token_to_kv_pool: Optional[KVPool] = None
 
     @property
     def num_tokens(self) -> int:

@@ -154,12 +154,12 @@ class ScheduleBatch:
     input_logprob_next_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def idle(cls) -> "ScheduleBatch":
+    def idle(cls) -> ScheduleBatch:
         """No local requests; still runs the forward so that every collective is issued."""
         return cls(ForwardMode.IDLE, [], [], [], torch.empty(0, dtype=torch.int64), [], [])
 
     @classmethod
-    def for_extend(cls, reqs: list[Req], out_cache_loc: torch.Tensor) -> "ScheduleBatch":
+    def for_extend(cls, reqs: list[Req], out_cache_loc: torch.Tensor) -> ScheduleBatch:
         """Each req extends all_ids[kv_len : kv_len + extend_len] (a retracted request re-extends its output too)."""
         input_ids, positions, seq_lens, extend_lens, prefix_lens = [], [], [], [], []
         logprob_rows, logprob_counts, logprob_next_ids = [], [], []
@@ -181,7 +181,7 @@ class ScheduleBatch:
         return batch
 
     @classmethod
-    def for_decode(cls, reqs: list[Req], future: Optional[FutureTokens] = None) -> "ScheduleBatch":
+    def for_decode(cls, reqs: list[Req], future: Optional[FutureTokens] = None) -> ScheduleBatch:
         """Each req feeds its newest token, whose KV is not in the pool yet; a token still in
         flight is taken from `future` on the device."""
         input_ids = [0 if r.in_flight else r.output_ids[-1] for r in reqs]
@@ -201,8 +201,17 @@ class ScheduleBatch:
         assert self.future is not None or not self.future_dst, "a token in flight, but no step in flight holds it"
         pending = self.kv_write
         (
-            input_ids, positions, req_pool_indices, seq_lens, extend_seq_lens, dst, src, logprob_rows, logprob_next_ids,
-            index, slots,
+            input_ids,
+            positions,
+            req_pool_indices,
+            seq_lens,
+            extend_seq_lens,
+            dst,
+            src,
+            logprob_rows,
+            logprob_next_ids,
+            index,
+            slots,
         ) = upload(
             [
                 self.input_ids,

@@ -52,7 +52,9 @@ class ModelConfig:
     ):
         self.model_path = resolve_model_path(model_path)
         self.hf_config = get_config(self.model_path, trust_remote_code)
-        overrides: dict[str, Any] = json.loads(model_override_args) if isinstance(model_override_args, str) else model_override_args or {}
+        overrides: dict[str, Any] = (
+            json.loads(model_override_args) if isinstance(model_override_args, str) else model_override_args or {}
+        )
         for key, value in overrides.items():
             setattr(self.hf_config, key, value)
         if architectures is not None:
@@ -65,9 +67,7 @@ class ModelConfig:
         cfg = self.hf_config
         derived_context = getattr(cfg, "max_position_embeddings", None) or 2048
         if context_length is not None and context_length > derived_context:
-            raise ValueError(
-                f"--context-length {context_length} exceeds the model's max_position_embeddings {derived_context}"
-            )
+            raise ValueError(f"--context-length {context_length} exceeds the model's max_position_embeddings {derived_context}")
         self.context_len: int = context_length or derived_context
         self.hidden_size: int = cfg.hidden_size
         self.vocab_size: int = cfg.vocab_size

@@ -70,7 +70,10 @@ class IpcCommunicator:
         self.data_table = torch.tensor([a + _DATA_OFFSET for a in addresses], dtype=torch.int64, device=self.device)
         logger.info(
             "IPC collectives: rank %d of %d, %.2f MiB per data slot on %s",
-            rank, world, self.slot_bytes / (1 << 20), self.device,
+            rank,
+            world,
+            self.slot_bytes / (1 << 20),
+            self.device,
         )
 
     def fits(self, x: torch.Tensor) -> bool:

@@ -78,4 +78,3 @@ def gather_out_kernel(data_table_ptr, counter_ptr, out_ptr, n, slot_elems, WORLD
     for p in tl.static_range(WORLD):
         src = _slot_base(data_table_ptr, p, e, slot_elems, out_ptr.dtype)
         tl.store(out_ptr + p * n + offs, tl.load(src + offs, mask=mask, cache_modifier=".cv"), mask=mask)
-

@@ -240,5 +240,3 @@ def _reduce_over_ranks(value: int, op: dist.ReduceOp.RedOpType) -> int:
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return _state.tp.all_reduce(x)
-
-

@@ -23,7 +23,9 @@ from sglang.srt.distributed.collective_trace import CollectiveRecord, first_diff
 logger = logging.getLogger(__name__)
 
 
-def init_distributed(device: str, world_size: int, rank: int, init_method: str, timeout_s: float, ranks_share_gpu: bool = False) -> None:
+def init_distributed(
+    device: str, world_size: int, rank: int, init_method: str, timeout_s: float, ranks_share_gpu: bool = False
+) -> None:
     """One process group per model replica: NCCL on CUDA, gloo on CPU and for ranks that share
     a GPU (NCCL refuses those; their GPU collectives go through the IPC buffers)."""
     backend = "nccl" if device == "cuda" and not ranks_share_gpu else "gloo"

@@ -17,9 +17,10 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, TypeVar, Union
+from typing import Any, Optional, TypeVar, Union
 
 from sglang.srt.managers.data_parallel_controller import start_scheduler_side
 from sglang.srt.managers.io_struct import ProfileReq, SchedulerReady
@@ -197,9 +198,9 @@ class Engine:
 
     def generate(
         self,
-        prompt: Union[None, str, list[str]] = None,
-        sampling_params: Union[None, dict[str, Any], list[dict[str, Any]]] = None,
-        input_ids: Union[None, list[int], list[list[int]]] = None,
+        prompt: Union[str, list[str], None] = None,
+        sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None,
+        input_ids: Union[list[int], list[list[int]], None] = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         stream: bool = False,
@@ -208,14 +209,14 @@ class Engine:
         """One dict per prompt (a list for a list of prompts, or for n > 1 samples: prompt i's
         at i*n ..); an iterator of chunks when streaming (n > 1: each sample's chunks, marked
         with its "index"). Invalid requests raise ValueError."""
-        outputs = self._outputs(
-            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, logprob_start_len
-        )
+        outputs = self._outputs(prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, logprob_start_len)
         if stream:
             return self._iterate(outputs)
         return self._run(final_output(outputs))
 
-    async def async_generate(self, *args: Any, **kwargs: Any) -> Union[dict[str, Any], list[dict[str, Any]], AsyncIterator[dict[str, Any]]]:
+    async def async_generate(
+        self, *args: Any, **kwargs: Any
+    ) -> Union[dict[str, Any], list[dict[str, Any]], AsyncIterator[dict[str, Any]]]:
         """generate() from the caller's event loop, with generate()'s arguments: awaited, the
         output(s); when streaming, an async iterator of chunks (closing it early aborts the request)."""
         bound = inspect.signature(self.generate).bind(*args, **kwargs)
@@ -293,7 +294,7 @@ class Engine:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._loop_thread.join()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -128,7 +128,9 @@ def create_app(tokenizer_manager: TokenizerManager, scheduler_info: dict[str, An
         return JSONResponse(result)
 
     def model_card() -> ModelCard:
-        return ModelCard(id=server_args.served_model_name, root=server_args.model_path, max_model_len=tokenizer_manager.context_len)
+        return ModelCard(
+            id=server_args.served_model_name, root=server_args.model_path, max_model_len=tokenizer_manager.context_len
+        )
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -137,7 +139,9 @@ def create_app(tokenizer_manager: TokenizerManager, scheduler_info: dict[str, An
     @app.get("/v1/models/{model_id:path}")  # :path: served names may hold slashes (org/model)
     async def retrieve_model(model_id: str) -> Response:
         if model_id not in (server_args.served_model_name, server_args.model_path):
-            return error_response(f"The model {model_id!r} does not exist; this server serves {server_args.served_model_name!r}", 404)
+            return error_response(
+                f"The model {model_id!r} does not exist; this server serves {server_args.served_model_name!r}", 404
+            )
         return JSONResponse(model_card().model_dump())
 
     @app.post("/v1/completions")
@@ -199,7 +203,11 @@ class RequestGuard:
         await self.app(scope, receive, send)
 
     def refusal(self, headers: Headers, needs_key: bool) -> Optional[JSONResponse]:
-        if needs_key and self.expected is not None and not hmac.compare_digest(headers.get("authorization", "").encode("latin-1"), self.expected):
+        if (
+            needs_key
+            and self.expected is not None
+            and not hmac.compare_digest(headers.get("authorization", "").encode("latin-1"), self.expected)
+        ):
             return error_response("Invalid or missing API key", 401, "authentication_error")
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):

@@ -60,9 +60,18 @@ def residual_sum(x_row, res_row, cols, mask, dtype: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    x_stride, res_stride, n, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SIGNAL_DEPENDENTS: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    x_stride,
+    res_stride,
+    n,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SIGNAL_DEPENDENTS: tl.constexpr,
 ):
     # One program per row; the whole row (n <= BLOCK) stays in registers. The next kernel (a
     # PDL-launched GEMV streaming its weights) may start at once.
@@ -82,9 +91,19 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _rms_norm_pair_kernel(
-    a_ptr, b_ptr, wa_ptr, wb_ptr, out_ptr,
-    a_stride, b_stride, na, nb, eps_a, eps_b,
-    BLOCK: tl.constexpr, SIGNAL_DEPENDENTS: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    wa_ptr,
+    wb_ptr,
+    out_ptr,
+    a_stride,
+    b_stride,
+    na,
+    nb,
+    eps_a,
+    eps_b,
+    BLOCK: tl.constexpr,
+    SIGNAL_DEPENDENTS: tl.constexpr,
 ):
     # Program (row, 0) norms a's row into out[row, :na], program (row, 1) b's into out[row, na:].
     if SIGNAL_DEPENDENTS:
@@ -113,9 +132,18 @@ def _rms_norm(
         r2 = x2 if residual is None else _rows(residual, n)
         block = next_power_of_2(n)
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, out, out if new_residual is None else new_residual,
-            x2.stride(0), r2.stride(0), n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, SIGNAL_DEPENDENTS=signals_dependents(x.device),
+            x2,
+            r2,
+            weight,
+            out,
+            out if new_residual is None else new_residual,
+            x2.stride(0),
+            r2.stride(0),
+            n,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            SIGNAL_DEPENDENTS=signals_dependents(x.device),
             num_warps=rms_norm_warps(block),
         )
     return out, new_residual
@@ -145,8 +173,20 @@ def rms_norm_pair(
     if a2.shape[0]:
         block = next_power_of_2(max(na, nb))
         _rms_norm_pair_kernel[(a2.shape[0], 2)](
-            a2, b2, a_weight, b_weight, out, a2.stride(0), b2.stride(0), na, nb, a_eps, b_eps,
-            BLOCK=block, SIGNAL_DEPENDENTS=signals_dependents(a.device), num_warps=rms_norm_warps(block),
+            a2,
+            b2,
+            a_weight,
+            b_weight,
+            out,
+            a2.stride(0),
+            b2.stride(0),
+            na,
+            nb,
+            a_eps,
+            b_eps,
+            BLOCK=block,
+            SIGNAL_DEPENDENTS=signals_dependents(a.device),
+            num_warps=rms_norm_warps(block),
         )
     return out
 
@@ -190,8 +230,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def rotate_head(
-    src, dst, cos, sin,
-    HEAD: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+    src,
+    dst,
+    cos,
+    sin,
+    HEAD: tl.constexpr,
+    ROT: tl.constexpr,
+    NEOX: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
 ):
     # Rotates the pairs (x[i], x[i + ROT/2]) (neox) or (x[2i], x[2i+1]) (interleaved) of one
     # head by the angle of cos[i], sin[i]; channels ROT..HEAD are copied unchanged. Values
@@ -215,11 +262,34 @@ def rotate_head(
 
 @triton.jit
 def _rotary_kernel(
-    pos_ptr, cos_ptr, sin_ptr, cs_stride, scale,
-    q_ptr, k_ptr, v_ptr, loc_ptr, q_out, k_out, v_out,
-    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, num_q_heads, num_k_heads,
-    HAS_POSITIONS: tl.constexpr, STORE_KV: tl.constexpr, HEAD: tl.constexpr, ROT: tl.constexpr,
-    NEOX: tl.constexpr, V_HEAD: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    cs_stride,
+    scale,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    loc_ptr,
+    q_out,
+    k_out,
+    v_out,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    num_q_heads,
+    num_k_heads,
+    HAS_POSITIONS: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    HEAD: tl.constexpr,
+    ROT: tl.constexpr,
+    NEOX: tl.constexpr,
+    V_HEAD: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     # Program (t, h) rotates q head h of token t, or k head h - num_q_heads when h >= num_q_heads,
@@ -273,12 +343,31 @@ def _launch_rotary(
     v3, v_out, loc = store or (None, None, None)
     v_head = 1 if v3 is None else v3.shape[-1]
     _rotary_kernel[(num_tokens, num_q_heads + num_k_heads * (1 if v3 is None else 2))](
-        None if positions is None else positions.contiguous(), cos, sin, cos.stride(0), scale,
-        q3, k3, v3, loc, q_out, k_out, v_out,
-        q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
-        *((0, 0) if v3 is None else v3.stride()[:2]), num_q_heads, num_k_heads,
-        HAS_POSITIONS=positions is not None, STORE_KV=v3 is not None, HEAD=head_size, ROT=rotary_dim,
-        NEOX=is_neox_style, V_HEAD=v_head,
+        None if positions is None else positions.contiguous(),
+        cos,
+        sin,
+        cos.stride(0),
+        scale,
+        q3,
+        k3,
+        v3,
+        loc,
+        q_out,
+        k_out,
+        v_out,
+        q3.stride(0),
+        q3.stride(1),
+        k3.stride(0),
+        k3.stride(1),
+        *((0, 0) if v3 is None else v3.stride()[:2]),
+        num_q_heads,
+        num_k_heads,
+        HAS_POSITIONS=positions is not None,
+        STORE_KV=v3 is not None,
+        HEAD=head_size,
+        ROT=rotary_dim,
+        NEOX=is_neox_style,
+        V_HEAD=v_head,
         BLOCK_HALF=next_power_of_2(rotary_dim // 2),
         BLOCK_REST=next_power_of_2(max(head_size - rotary_dim, 1)),
         BLOCK_V=next_power_of_2(v_head),

@@ -111,12 +111,29 @@ def _acc_result(acc, USE_DOT: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr,
-    M, N, K, x_stride, w_stride, y_stride, m_tiles,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, MASK_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    x_stride,
+    w_stride,
+    y_stride,
+    m_tiles,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    MASK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
+    LINE_ELEMS: tl.constexpr,
 ):
     # Program j * m_tiles + i writes y[i*BM : (i+1)*BM, j*BN : (j+1)*BN]; N is y's width.
     # GATED: rows [0, N) of W are the gate, rows [N, 2N) the up projection.
@@ -206,15 +223,32 @@ def gemv(
         bm = block_m(rows, config.use_dot)
         m_tiles = cdiv(rows, bm)
         _gemv_kernel[(cdiv(width, config.block_n) * m_tiles,)](
-            x2, weight, bias, y,
-            rows, width, k, x2.stride(0), weight.stride(0), y.stride(0), m_tiles,
-            HAS_BIAS=bias is not None, GATED=gated, MASK_K=k % config.block_k != 0,
-            BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            NUM_STAGES=config.num_stages, USE_DOT=config.use_dot,
+            x2,
+            weight,
+            bias,
+            y,
+            rows,
+            width,
+            k,
+            x2.stride(0),
+            weight.stride(0),
+            y.stride(0),
+            m_tiles,
+            HAS_BIAS=bias is not None,
+            GATED=gated,
+            MASK_K=k % config.block_k != 0,
+            BLOCK_M=bm,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            NUM_STAGES=config.num_stages,
+            USE_DOT=config.use_dot,
             DOT_PRECISION=dot_precision(x.dtype),
-            PDL=pdl, PREFETCH_LINES=next_power_of_2(cdiv(min(k, _PREFETCH_STEPS * config.block_k), line)),
+            PDL=pdl,
+            PREFETCH_LINES=next_power_of_2(cdiv(min(k, _PREFETCH_STEPS * config.block_k), line)),
             LINE_ELEMS=line,
-            num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(pdl),
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+            **pdl_launch(pdl),
         )
     return y.view(*x.shape[:-1], width)
 
@@ -236,10 +270,7 @@ def table_to_json(table: Table) -> list[dict]:
 
 
 def table_from_json(rows: list[dict]) -> Table:
-    return {
-        (e["n"], e["k"], e["gated"]): tuple((r, None if c is None else GemvConfig(**c)) for r, c in e["rows"])
-        for e in rows
-    }
+    return {(e["n"], e["k"], e["gated"]): tuple((r, None if c is None else GemvConfig(**c)) for r, c in e["rows"]) for e in rows}
 
 
 @functools.cache

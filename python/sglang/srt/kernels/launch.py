@@ -18,8 +18,12 @@ def signals_dependents(device: torch.device) -> bool:
     PDL-launched kernel waits for the previous one's writes before reading them."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     disabled = os.environ.get("SGLANG_DISABLE_PDL") == "1"
-    return device.type == "cuda" and not interpreted and not disabled and torch.version.cuda is not None and (
-        torch.cuda.get_device_capability(device)[0] >= 9
+    return (
+        device.type == "cuda"
+        and not interpreted
+        and not disabled
+        and torch.version.cuda is not None
+        and (torch.cuda.get_device_capability(device)[0] >= 9)
     )
 
 

@@ -22,9 +22,7 @@ _KV_TILE = 2048
 
 
 @triton.jit
-def _store_heads(
-    src, src_stride_h, src_stride_d, dst, heads, HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr
-):
+def _store_heads(src, src_stride_h, src_stride_d, dst, heads, HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     # Copies the heads `heads` ([BLOCK_H, 1] indices) of one token's [HEADS, DIM] k or v
     # into its contiguous pool row `dst`, cast to the pool's dtype.
     cols = tl.arange(0, BLOCK_D)[None, :]
@@ -35,10 +33,23 @@ def _store_heads(
 
 @triton.jit
 def _store_kv_kernel(
-    loc_ptr, k_ptr, v_ptr, k_buf, v_buf,
-    k_stride_t, k_stride_h, k_stride_d, v_stride_t, v_stride_h, v_stride_d,
-    HEADS: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    loc_ptr,
+    k_ptr,
+    v_ptr,
+    k_buf,
+    v_buf,
+    k_stride_t,
+    k_stride_h,
+    k_stride_d,
+    v_stride_t,
+    v_stride_h,
+    v_stride_d,
+    HEADS: tl.constexpr,
+    K_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     # Program (t, j) stores heads [j * BLOCK_H, (j + 1) * BLOCK_H) of token t's k and v
     # into row loc[t] of the contiguous [slots, HEADS, dim] buffers.
@@ -65,9 +76,19 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     block_k, block_v = next_power_of_2(k_dim), next_power_of_2(v_dim)
     block_h = min(next_power_of_2(heads), max(1, _KV_TILE // max(block_k, block_v)))
     _store_kv_kernel[(num_tokens, cdiv(heads, block_h))](
-        loc, k, v, k_buf, v_buf,
-        *k.stride(), *v.stride(),
-        HEADS=heads, K_DIM=k_dim, V_DIM=v_dim, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_V=block_v,
+        loc,
+        k,
+        v,
+        k_buf,
+        v_buf,
+        *k.stride(),
+        *v.stride(),
+        HEADS=heads,
+        K_DIM=k_dim,
+        V_DIM=v_dim,
+        BLOCK_H=block_h,
+        BLOCK_K=block_k,
+        BLOCK_V=block_v,
     )
 
 

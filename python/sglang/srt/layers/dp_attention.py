@@ -10,8 +10,9 @@ the local tensor; nothing returned by dp_scatter aliases the buffer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -48,7 +49,7 @@ class DpRanks:
     tp_group: ParallelGroup
 
     @classmethod
-    def current(cls) -> "DpRanks":
+    def current(cls) -> DpRanks:
         """This process's ranks, from the model-parallel state (initialize_model_parallel)."""
         return cls(get_attn_dp_rank(), get_attn_tp_rank(), get_tp())
 

@@ -53,10 +53,12 @@ def _divide(n: int, d: int) -> int:
         raise ValueError(f"{n} is not divisible by tensor-parallel size {d}")
     return n // d
 
+
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"shape mismatch loading weight: parameter {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}")
     dst.copy_(src)
+
 
 class LinearBase(nn.Module):
     """y = x W^T + b with a local weight of shape [out_local, in_local]."""
@@ -77,6 +79,7 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
+
 class ReplicatedLinear(LinearBase):
     """Same full weight on every rank."""
 
@@ -85,6 +88,7 @@ class ReplicatedLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         _copy(param.data, loaded_weight)
+
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; rank r holds rows [r*out/tp, (r+1)*out/tp)."""
@@ -110,6 +114,7 @@ class ColumnParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
         return self.group.all_gather(y, dim=-1) if self.gather_output else y
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stacked in one weight (e.g. gate_up_proj).
@@ -150,6 +155,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
         return gemv(x, self.weight, self.bias, config, gated=True)
 
+
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection; heads split across ranks.
 
@@ -189,6 +195,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
             size, rank = self.kv_size, self.tp_rank // self.kv_replicas
         _copy(param.data.narrow(0, offset, size), loaded_weight.narrow(0, rank * size, size))
+
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed over the group.
@@ -236,7 +243,7 @@ def stack_rows(layers: list[nn.Module]) -> tuple[torch.Tensor, Optional[torch.Te
     weight = torch.cat([layer.weight.data for layer in layers])
     bias = None
     if any(layer.bias is not None for layer in layers):
-        zeros = lambda layer: weight.new_zeros(layer.weight.shape[0])  # noqa: E731
+        zeros = lambda layer: weight.new_zeros(layer.weight.shape[0])
         bias = torch.cat([zeros(layer) if layer.bias is None else layer.bias.data for layer in layers])
     start = 0
     for layer in layers:

@@ -58,9 +58,7 @@ class RotaryEmbedding(nn.Module):
         """q, k: [T, H*D] or [T, H, D]; returns rotated copies with the input shapes."""
         return (self.forward_triton if q.is_cuda else self.forward_native)(positions, q, k)
 
-    def forward_triton(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_triton(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One kernel; rotates in float32 where forward_native rounds cos/sin and products to q's dtype."""
         from sglang.srt.kernels.elementwise import rotary_embedding  # triton ships with CUDA builds of torch
 
@@ -83,13 +81,22 @@ class RotaryEmbedding(nn.Module):
 
         cos, sin = self.cos_sin_cache.chunk(2, dim=-1)
         return rotary_embedding_store_kv(
-            positions.flatten(), q, k, v, cos, sin, self.head_size, self.rotary_dim, self.is_neox_style,
-            k_buf, v_buf, loc, self.mscale,
+            positions.flatten(),
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            self.head_size,
+            self.rotary_dim,
+            self.is_neox_style,
+            k_buf,
+            v_buf,
+            loc,
+            self.mscale,
         )
 
-    def forward_native(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
@@ -146,13 +153,9 @@ class Llama3RotaryEmbedding(RotaryEmbedding):
         low_wavelen = self.original_max_position / self.low_freq_factor
         high_wavelen = self.original_max_position / self.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
-        smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor
-        )
+        smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
         blended = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
-        return torch.where(
-            wavelen < high_wavelen, inv_freq, torch.where(wavelen > low_wavelen, inv_freq / self.factor, blended)
-        )
+        return torch.where(wavelen < high_wavelen, inv_freq, torch.where(wavelen > low_wavelen, inv_freq / self.factor, blended))
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
@@ -219,16 +222,19 @@ class DeepseekScalingRotaryEmbedding(RotaryEmbedding):
         self.original_max_position = max_position_embeddings
         self.extrapolation_factor = extrapolation_factor
         self.beta_fast, self.beta_slow = beta_fast, beta_slow
-        self.mscale = (
-            yarn_get_mscale(scaling_factor, mscale) / yarn_get_mscale(scaling_factor, mscale_all_dim) * attn_factor
-        )
+        self.mscale = yarn_get_mscale(scaling_factor, mscale) / yarn_get_mscale(scaling_factor, mscale_all_dim) * attn_factor
         table_len = int(max_position_embeddings * scaling_factor)
         super().__init__(head_size, rotary_dim, table_len, base, is_neox_style, dtype)
 
     def _compute_inv_freq(self) -> torch.Tensor:
         return yarn_inv_freq(
-            self.rotary_dim, self.base, self.scaling_factor, self.original_max_position,
-            self.beta_fast, self.beta_slow, self.extrapolation_factor,
+            self.rotary_dim,
+            self.base,
+            self.scaling_factor,
+            self.original_max_position,
+            self.beta_fast,
+            self.beta_slow,
+            self.extrapolation_factor,
         )
 
     def forward_triton(

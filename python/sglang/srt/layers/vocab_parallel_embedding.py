@@ -51,9 +51,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection; used through LogitsProcessor, never called directly."""
 
-    def __init__(
-        self, num_embeddings: int, embedding_dim: int, bias: bool = False, group: Optional[ParallelGroup] = None
-    ):
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, group: Optional[ParallelGroup] = None):
         super().__init__(num_embeddings, embedding_dim, group)
         if bias:
             self.bias = nn.Parameter(torch.empty(self.num_embeddings_per_partition), requires_grad=False)

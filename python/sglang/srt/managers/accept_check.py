@@ -13,9 +13,10 @@ Invariants:
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Optional
 
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -65,7 +66,7 @@ def judge(results: Sequence[PassResult], margin: float = ACCEPT_LENGTH_MARGIN) -
     return "; ".join(problems) or None
 
 
-def run_accept_check(scheduler: "Scheduler") -> list[PassResult]:
+def run_accept_check(scheduler: Scheduler) -> list[PassResult]:
     """Run the check on this rank (every rank of the replica calls it); log every DP rank's
     results on the first rank and raise AcceptCheckFailed on every rank when they fail."""
     prompts = check_prompts(scheduler.model_config.vocab_size)
@@ -90,7 +91,7 @@ def run_accept_check(scheduler: "Scheduler") -> list[PassResult]:
     return results
 
 
-def _run_pass(scheduler: "Scheduler", prompts: list[list[int]]) -> list[list[int]]:
+def _run_pass(scheduler: Scheduler, prompts: list[list[int]]) -> list[list[int]]:
     """Greedy outputs of the prompts, run until the whole replica is idle; the pool is flushed
     before and after and the statistics of speculation start from zero."""
     _flush(scheduler)
@@ -117,13 +118,13 @@ def _run_pass(scheduler: "Scheduler", prompts: list[list[int]]) -> list[list[int
     return [list(r.output_ids) for r in reqs]
 
 
-def _flush(scheduler: "Scheduler") -> None:
+def _flush(scheduler: Scheduler) -> None:
     if not scheduler.flush_cache():
         raise AcceptCheckFailed("--speculative-accept-check: requests were still running after a pass")
 
 
 @contextmanager
-def _plain_path(scheduler: "Scheduler") -> Iterator[None]:
+def _plain_path(scheduler: Scheduler) -> Iterator[None]:
     """The scheduler runs the target model alone (no drafts, no verification)."""
     spec_worker = scheduler.spec_worker
     scheduler.worker, scheduler.spec_worker = spec_worker.target, None
@@ -133,13 +134,13 @@ def _plain_path(scheduler: "Scheduler") -> Iterator[None]:
         scheduler.worker = scheduler.spec_worker = spec_worker
 
 
-def _graph_runners(scheduler: "Scheduler") -> list:
+def _graph_runners(scheduler: Scheduler) -> list:
     runners = [scheduler.runner, scheduler.spec_worker.draft_runner]
     return [r for r in runners if r.graph_runner is not None]
 
 
 @contextmanager
-def _eager_only(scheduler: "Scheduler", eager: bool) -> Iterator[None]:
+def _eager_only(scheduler: Scheduler, eager: bool) -> Iterator[None]:
     """With `eager`, the target and draft runners run without their CUDA graphs."""
     runners = _graph_runners(scheduler) if eager else []
     saved = [r.graph_runner for r in runners]

@@ -43,9 +43,7 @@ def start_scheduler_side(server_args: ServerArgs, port_args: PortArgs, ctx, subp
     from sglang.srt.managers.scheduler_process import run_scheduler_process
 
     if server_args.dp_size > 1 and server_args.node_rank == 0:
-        proc = ctx.Process(
-            target=run_data_parallel_controller_process, args=(server_args, port_args), name="dp-controller"
-        )
+        proc = ctx.Process(target=run_data_parallel_controller_process, args=(server_args, port_args), name="dp-controller")
         proc.start()
         subprocesses.add(proc)
     readers = []

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import zmq
 
@@ -59,8 +60,7 @@ class LoadReporter:
         """`reqs`: every request the rank holds (objects of schedule_batch.Req)."""
         reqs = list(reqs)
         tokens = sum(
-            request_tokens(len(r.origin_input_ids), r.kv_len, r.sampling_params.max_new_tokens, len(r.output_ids))
-            for r in reqs
+            request_tokens(len(r.origin_input_ids), r.kv_len, r.sampling_params.max_new_tokens, len(r.output_ids)) for r in reqs
         )
         load = RankLoad(self.dp_rank, self.num_received, len(reqs), tokens)
         if load == self.last:

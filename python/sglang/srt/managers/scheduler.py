@@ -163,9 +163,7 @@ class Scheduler:
             # Collectives time out only well after the watchdog, so a rank stuck waiting on a
             # frozen peer is reported by the watchdog, not by a backend timeout that races it.
             collective_timeout_s = 2 * args.watchdog_timeout
-            init_distributed(
-                args.device, args.tp_size, tp_rank, f"tcp://{addr}", collective_timeout_s, args.ranks_share_gpu
-            )
+            init_distributed(args.device, args.tp_size, tp_rank, f"tcp://{addr}", collective_timeout_s, args.ranks_share_gpu)
             initialize_model_parallel(
                 args.tp_size,
                 tp_rank,
@@ -490,7 +488,9 @@ class Scheduler:
             self.append_tokens(batch.reqs[i], result, i)
         if batch.mode == ForwardMode.EXTEND:
             self.log_prefill(batch)
-            self.running += [r for r in batch.reqs if r.output_ids and r is not self.chunked_req and not r.finished and r not in self.running]
+            self.running += [
+                r for r in batch.reqs if r.output_ids and r is not self.chunked_req and not r.finished and r not in self.running
+            ]
         elif batch.mode == ForwardMode.DECODE:
             if self.adaptive is not None and result.draft_steps is not None:  # a verify cycle
                 self.adaptive.observe(result.draft_steps, result.accepted_draft_tokens)
@@ -608,8 +608,7 @@ class Scheduler:
 
     def log_prefill(self, batch: ScheduleBatch) -> None:
         logger.info(
-            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-            "#running-req: %d, #queue-req: %d",
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, #running-req: %d, #queue-req: %d",
             len(batch.reqs),
             len(batch.input_ids),
             sum(p for r, p in zip(batch.reqs, batch.prefix_lens) if p == r.cached_tokens),
@@ -633,8 +632,7 @@ class Scheduler:
             self.spec_steps_total += self.spec_steps_since_log
             self.spec_tokens_since_log = self.spec_steps_since_log = 0
         logger.info(
-            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %s%sgen throughput (token/s): %.2f, "
-            "#queue-req: %d",
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %s%sgen throughput (token/s): %.2f, #queue-req: %d",
             len(batch.reqs),
             self.allocator.size - self.free_kv_tokens(),
             self.token_usage(),

@@ -29,7 +29,7 @@ class IterationHeartbeat:
         with open(tmp, "wb") as f:
             f.write(struct.pack(_FORMAT, time.monotonic()))
         os.replace(tmp, path)  # a reader never sees a short file
-        self._file = open(path, "r+b")
+        self._file = open(path, "r+b")  # noqa: SIM115  (mapped for the process's lifetime)
         self._map = mmap.mmap(self._file.fileno(), _SIZE)
 
     def beat(self) -> None:

@@ -21,8 +21,9 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import zmq
 import zmq.asyncio
@@ -88,7 +89,7 @@ class GenerateReqInput(ValidatedRequest):
     def is_batch(self) -> bool:
         return isinstance(self.text, list) or (bool(self.input_ids) and isinstance(self.input_ids[0], list))
 
-    def split(self) -> list["GenerateReqInput"]:
+    def split(self) -> list[GenerateReqInput]:
         """One single request per prompt (a single request returns itself)."""
         if not self.is_batch:
             if isinstance(self.rid, list):
@@ -188,7 +189,7 @@ async def final_output(outputs: AsyncIterator[Any]) -> Any:
     """The last item of `outputs` (None if the client went away before the end)."""
     last = None
     async with contextlib.aclosing(outputs):
-        async for last in outputs:
+        async for last in outputs:  # noqa: B007  (the loop keeps the last item)
             pass
     return last
 
@@ -291,7 +292,7 @@ class TokenizerManager:
         if obj.is_batch and obj.stream:
             raise RequestError("stream=True is not supported for a batch of prompts")
         tokenized = [await self._tokenize_one(o) for o in singles]  # all validated before any is sent
-        if len(set(t.rid for t in tokenized)) != len(tokenized):
+        if len({t.rid for t in tokenized}) != len(tokenized):
             raise RequestError("Duplicate rid in the batch")
         if any(t.sampling_params.n > 1 for t in tokenized):
             if obj.stream:  # each sample's snapshots, marked with its "index", as they come
@@ -407,9 +408,7 @@ class TokenizerManager:
         samples = await self._samples(req, obj, request)
         return list(await asyncio.gather(*(final_output(self._run_one(s, obj, request)) for s in samples)))
 
-    async def _samples(
-        self, req: TokenizedGenerateReqInput, obj: GenerateReqInput, request
-    ) -> list[TokenizedGenerateReqInput]:
+    async def _samples(self, req: TokenizedGenerateReqInput, obj: GenerateReqInput, request) -> list[TokenizedGenerateReqInput]:
         """The `n` single-sample requests of one prompt, to send. The prompt is prefilled once
         first (a request of 0 new tokens) so that its KV is in the prefix cache when the samples
         start; all of them go to one DP rank, whose cache holds it."""
@@ -417,14 +416,20 @@ class TokenizerManager:
         dp_rank = next(self._sample_group_ranks) if self.server_args.dp_size > 1 else None
         if n > 1 and not self.server_args.disable_radix_cache:
             prefill = replace(
-                req, rid=f"{req.rid}-prefill", return_logprob=False, top_logprobs_num=0, dp_rank=dp_rank,
+                req,
+                rid=f"{req.rid}-prefill",
+                return_logprob=False,
+                top_logprobs_num=0,
+                dp_rank=dp_rank,
                 sampling_params=replace(params, max_new_tokens=0, min_new_tokens=0, n=1),
             )
             await final_output(self._run_one(prefill, obj, request))
         seed = params.sampling_seed
         return [
             replace(
-                req, rid=f"{req.rid}-{i}" if n > 1 else req.rid, dp_rank=dp_rank,
+                req,
+                rid=f"{req.rid}-{i}" if n > 1 else req.rid,
+                dp_rank=dp_rank,
                 sampling_params=replace(params, n=1, sampling_seed=None if seed is None else seed + i),
             )
             for i in range(n)
@@ -457,7 +462,11 @@ class TokenizerManager:
                         meta = state.meta
                         logger.info(
                             "Finished %s: finish_reason=%s, prompt_tokens=%d, completion_tokens=%d, latency=%.3f s",
-                            req.rid, reason, meta["prompt_tokens"], meta["completion_tokens"], meta["e2e_latency"],
+                            req.rid,
+                            reason,
+                            meta["prompt_tokens"],
+                            meta["completion_tokens"],
+                            meta["e2e_latency"],
                         )
                     if reason.get("type") == "abort" and reason.get("message"):
                         # Refused by the scheduler (400), or failed there (status_code, e.g. NaN logits).

@@ -16,7 +16,6 @@ import torch
 from sglang.srt.utils.device_constants import DeviceConstants
 from sglang.srt.utils.transfer import upload
 
-
 DUMMY_KV_SLOT = 0
 DUMMY_REQ_ROW = 0
 
@@ -149,14 +148,8 @@ class MHATokenToKVPool(KVPool):
         self.size, self.dtype, self.device = size, dtype, device
         self.head_num, self.head_dim = head_num, head_dim
         self.v_head_dim = v_head_dim or head_dim
-        self.k_buffer = [
-            torch.zeros((size + 1, head_num, head_dim), dtype=dtype, device=device)
-            for _ in range(layer_num)
-        ]
-        self.v_buffer = [
-            torch.zeros((size + 1, head_num, self.v_head_dim), dtype=dtype, device=device)
-            for _ in range(layer_num)
-        ]
+        self.k_buffer = [torch.zeros((size + 1, head_num, head_dim), dtype=dtype, device=device) for _ in range(layer_num)]
+        self.v_buffer = [torch.zeros((size + 1, head_num, self.v_head_dim), dtype=dtype, device=device) for _ in range(layer_num)]
 
     def bytes_per_token(self) -> int:
         per_layer = self.head_num * (self.head_dim + self.v_head_dim) * self.dtype.itemsize
@@ -192,8 +185,7 @@ class MLATokenToKVPool(KVPool):
         self.size, self.dtype, self.device = size, dtype, device
         self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
         self.kv_buffer = [
-            torch.zeros((size + 1, 1, kv_lora_rank + qk_rope_head_dim), dtype=dtype, device=device)
-            for _ in range(layer_num)
+            torch.zeros((size + 1, 1, kv_lora_rank + qk_rope_head_dim), dtype=dtype, device=device) for _ in range(layer_num)
         ]
 
     def bytes_per_token(self) -> int:

@@ -21,7 +21,7 @@ _counter = itertools.count()
 
 
 class TreeNode:
-    def __init__(self, parent: Optional["TreeNode"] = None):
+    def __init__(self, parent: Optional[TreeNode] = None):
         self.parent = parent
         self.children: dict[int, TreeNode] = {}
         self.key: list[int] = []
@@ -30,7 +30,7 @@ class TreeNode:
         self.last_access_time = time.monotonic()
         self.id = next(_counter)
 
-    def __lt__(self, other: "TreeNode") -> bool:
+    def __lt__(self, other: TreeNode) -> bool:
         return self.last_access_time < other.last_access_time
 
 

@@ -50,19 +50,37 @@ class MetricsCollector:
         self.num_requests = counter("sglang:num_requests", "Requests that finished (aborted ones excluded).")
         self.num_aborted_requests = counter("sglang:num_aborted_requests", "Requests aborted before finishing.")
         self.ttft = histogram("sglang:time_to_first_token_seconds", "Time to first token (streaming requests).", _TTFT_BUCKETS)
-        self.tpot = histogram("sglang:time_per_output_token_seconds", "Time per output token after the first (streaming requests).", _TPOT_BUCKETS)
+        self.tpot = histogram(
+            "sglang:time_per_output_token_seconds", "Time per output token after the first (streaming requests).", _TPOT_BUCKETS
+        )
         self.e2e = histogram("sglang:e2e_request_latency_seconds", "End-to-end latency of finished requests.", _E2E_BUCKETS)
         self.num_running_reqs = rank_gauge("sglang:num_running_reqs", "Requests decoding on a DP rank.")
         self.num_queue_reqs = rank_gauge("sglang:num_queue_reqs", "Requests waiting on a DP rank.")
         self.token_usage = rank_gauge("sglang:token_usage", "Fraction of the KV pool in use on a DP rank.")
         self.gen_throughput = rank_gauge("sglang:gen_throughput", "Generated tokens per second on a DP rank (last log interval).")
         self.spec_accept_length = rank_gauge("sglang:spec_accept_length", "Mean tokens per verify step on a DP rank.")
-        self.tokens_per_iteration = rank_gauge("sglang:tokens_per_iteration", "Mean rows a DP rank fed the model per busy iteration since startup.")
-        self.dp_balance_ratio = rank_gauge("sglang:dp_balance_ratio", "DP attention: mean over largest per-rank rows, summed over iterations since startup (1 = even).")
-        self.stalled_iteration_fraction = rank_gauge("sglang:stalled_iteration_fraction", "Share of iterations with running requests in which a DP rank ran no decode batch.")
+        self.tokens_per_iteration = rank_gauge(
+            "sglang:tokens_per_iteration", "Mean rows a DP rank fed the model per busy iteration since startup."
+        )
+        self.dp_balance_ratio = rank_gauge(
+            "sglang:dp_balance_ratio",
+            "DP attention: mean over largest per-rank rows, summed over iterations since startup (1 = even).",
+        )
+        self.stalled_iteration_fraction = rank_gauge(
+            "sglang:stalled_iteration_fraction",
+            "Share of iterations with running requests in which a DP rank ran no decode batch.",
+        )
         self.spec_tier = rank_gauge("sglang:spec_tier", "--speculative-adaptive: draft steps of the latest decode cycle's tier.")
-        self.spec_tier_cycles = rank_gauge("sglang:spec_tier_cycles", "--speculative-adaptive: decode cycles a DP rank ran at each tier (steps) since startup.", ("steps",))
-        self.spec_tier_accept_length = rank_gauge("sglang:spec_tier_accept_length", "--speculative-adaptive: mean tokens per verify at each tier (steps) since startup.", ("steps",))
+        self.spec_tier_cycles = rank_gauge(
+            "sglang:spec_tier_cycles",
+            "--speculative-adaptive: decode cycles a DP rank ran at each tier (steps) since startup.",
+            ("steps",),
+        )
+        self.spec_tier_accept_length = rank_gauge(
+            "sglang:spec_tier_accept_length",
+            "--speculative-adaptive: mean tokens per verify at each tier (steps) since startup.",
+            ("steps",),
+        )
 
     def on_output(self, state: Any, meta: dict[str, Any], now: Optional[float] = None) -> None:
         """Observe one output of a request. `state` has `stream`, `created` and
@@ -104,7 +122,10 @@ class MetricsCollector:
             for gauge, value in figures.items():
                 if value is not None:
                     gauge.labels(**rank).set(value)
-            for gauge, per_tier in ((self.spec_tier_cycles, "spec_tier_cycles"), (self.spec_tier_accept_length, "spec_tier_accept_length")):
+            for gauge, per_tier in (
+                (self.spec_tier_cycles, "spec_tier_cycles"),
+                (self.spec_tier_accept_length, "spec_tier_accept_length"),
+            ):
                 for steps, value in s.get(per_tier, {}).items():
                     gauge.labels(**rank, steps=steps).set(value)
 

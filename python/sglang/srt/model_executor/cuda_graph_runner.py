@@ -27,8 +27,9 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Protocol, Union, runtime_checkable
 
 import torch
 
@@ -75,7 +76,7 @@ class ForwardFn(Protocol):
     CudaGraphRunner.captured_forward), or as an eager forward runs it (ModelRunner.forward_eager):
     of the model runner that runs the program, or of `runner`."""
 
-    def __call__(self, fb: ForwardBatch, runner: Optional["ModelRunner"] = None) -> LogitsProcessorOutput: ...
+    def __call__(self, fb: ForwardBatch, runner: Optional[ModelRunner] = None) -> LogitsProcessorOutput: ...
 
 
 class GraphProgram(Protocol):
@@ -337,7 +338,7 @@ class CudaGraphRunner:
 
     def __init__(
         self,
-        model_runner: "ModelRunner",
+        model_runner: ModelRunner,
         modes: dict[ModeKey, CapturedMode],
         batch_sizes: Sequence[int],
         disable_padding: bool,
@@ -448,9 +449,7 @@ class CudaGraphRunner:
         each group took."""
         runner = self.model_runner
         device = torch.device(runner.device)
-        runner.attn_backend.init_cuda_graph_state(
-            self.max_bs, self.max_bs * self.req_to_token.shape[1], device
-        )
+        runner.attn_backend.init_cuda_graph_state(self.max_bs, self.max_bs * self.req_to_token.shape[1], device)
         torch.cuda.synchronize(device)
         free_before = free = torch.cuda.mem_get_info(device)[0]
         start = time.perf_counter()
@@ -475,11 +474,15 @@ class CudaGraphRunner:
         groups = ", ".join(f"{group}: {mib:.0f} MiB" for group, mib in self.capture_mib.items() if group)
         logger.info(
             "CUDA graphs: %d captured (batch sizes %s, modes %s) in %.1f s, %.0f MiB of GPU memory%s",
-            len(ordered), self.batch_sizes, sorted({m.mode.name for m in self.modes}), time.perf_counter() - start,
-            (free_before - free) / _MIB, f" (per group: {groups})" if groups else "",
+            len(ordered),
+            self.batch_sizes,
+            sorted({m.mode.name for m in self.modes}),
+            time.perf_counter() - start,
+            (free_before - free) / _MIB,
+            f" (per group: {groups})" if groups else "",
         )
 
-    def captured_forward(self, fb: ForwardBatch, runner: Optional["ModelRunner"] = None) -> LogitsProcessorOutput:
+    def captured_forward(self, fb: ForwardBatch, runner: Optional[ModelRunner] = None) -> LogitsProcessorOutput:
         """One forward as a graph holds it: metadata from device tensors, then the model (of
         this runner, or of `runner`, whose backend has its graph state from its own capture).
         Every captured batch gives each request the same number of tokens."""

@@ -202,9 +202,7 @@ class ModelRunner:
         cfg = self.model_config
         size = self.token_allocator.size
         if cfg.is_mla:
-            return MLATokenToKVPool(
-                size, self.dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim, self.num_kv_layers, self.device
-            )
+            return MLATokenToKVPool(size, self.dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim, self.num_kv_layers, self.device)
         kv_heads = cfg.get_num_kv_heads(self.attn_tp_size)
         return MHATokenToKVPool(size, self.dtype, kv_heads, cfg.head_dim, self.num_kv_layers, self.device)
 
@@ -234,16 +232,20 @@ class ModelRunner:
         those of the runners it is passed to)."""
         args = self.server_args
         tokens_per_request = self.shapes.tokens_per_request
-        rows = gathered_buffer_rows(
-            self.max_running_requests, tokens_per_request, self.prefill_token_budget(), args.dp_size
-        )
+        rows = gathered_buffer_rows(self.max_running_requests, tokens_per_request, self.prefill_token_budget(), args.dp_size)
         hidden = self.model_config.hidden_size
         buffer = torch.empty((rows, hidden), dtype=self.dtype, device=self.device)
         logger.info(
             "DP attention gathered buffer: %d rows x %d hidden = %d bytes (%.1f MiB) "
             "(rows = max(max_running_requests %d x tokens/request %d, prefill budget %d) x dp_size %d)",
-            rows, hidden, buffer.numel() * buffer.element_size(), buffer.numel() * buffer.element_size() / (1 << 20),
-            self.max_running_requests, tokens_per_request, self.prefill_token_budget(), args.dp_size,
+            rows,
+            hidden,
+            buffer.numel() * buffer.element_size(),
+            buffer.numel() * buffer.element_size() / (1 << 20),
+            self.max_running_requests,
+            tokens_per_request,
+            self.prefill_token_budget(),
+            args.dp_size,
         )
         return buffer
 
@@ -324,7 +326,7 @@ class ModelRunner:
         return self.forward_eager(forward_batch)
 
     @torch.inference_mode()
-    def forward_eager(self, forward_batch: ForwardBatch, runner: Optional["ModelRunner"] = None) -> LogitsProcessorOutput:
+    def forward_eager(self, forward_batch: ForwardBatch, runner: Optional[ModelRunner] = None) -> LogitsProcessorOutput:
         """One eager forward of this runner's model, or of `runner`'s (a program spanning two
         runners)."""
         runner = runner or self

@@ -61,7 +61,7 @@ class InputLogprobs:
     copy: HostCopy
 
     @classmethod
-    def launch(cls, batch: ScheduleBatch, output: LogitsProcessorOutput) -> Optional["InputLogprobs"]:
+    def launch(cls, batch: ScheduleBatch, output: LogitsProcessorOutput) -> Optional[InputLogprobs]:
         if output.input_token_logprobs is None:
             return None
         return cls(batch, HostCopy(output.input_token_logprobs, *(output.input_top_logprobs or ())))

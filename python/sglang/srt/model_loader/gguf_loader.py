@@ -10,7 +10,7 @@ holding every dequantized tensor at once.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import gguf
 import numpy as np
@@ -30,7 +30,7 @@ def _gguf_to_hf_names(arch: str, hf_config: PretrainedConfig) -> dict[str, str]:
         hf_names = list(AutoModelForCausalLM.from_config(hf_config).state_dict())
     mapping = {}
     for hf_name in hf_names:
-        base, dot, suffix = hf_name.rpartition(".")
+        base, _, suffix = hf_name.rpartition(".")
         if suffix not in ("weight", "bias"):
             base, suffix = hf_name, ""
         gguf_name = name_map.get_name(base)
@@ -48,7 +48,9 @@ def gguf_weights_iterator(path: str, hf_config: PretrainedConfig) -> Iterator[tu
     for tensor in progress(reader.tensors, "Loading GGUF weights", "tensor"):
         weights = gguf.dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(
-            weights=weights, name=tensor.name, tensor_key_mapping=mapping,
+            weights=weights,
+            name=tensor.name,
+            tensor_key_mapping=mapping,
             parsed_parameters={"config": config, "tensors": {}},
         )
         if result.name in mapping:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open

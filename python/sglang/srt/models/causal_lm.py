@@ -16,10 +16,10 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from sglang.srt.batch.forward_batch_info import ForwardBatch
 from sglang.srt.distributed.parallel_state import get_attn_tp
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
-from sglang.srt.batch.forward_batch_info import ForwardBatch
 
 
 class DecoderModel(nn.Module):

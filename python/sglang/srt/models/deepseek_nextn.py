@@ -17,7 +17,8 @@ target checkpoint (index = number of target layers) and in a checkpoint written 
 from __future__ import annotations
 
 import re
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 import torch
 from torch import nn

@@ -18,7 +18,8 @@ attention the MLP/MoE runs on every DP rank's rows at once (layers/dp_attention.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 import torch
 from torch import nn
@@ -134,9 +135,7 @@ class DeepseekV2MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._experts(x, self.gate(x))
 
-    def forward_after_add_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_after_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(norm(x + residual)), x + residual); on CUDA the add, the norm and the
         router's logits share one launch (routing.add_rms_norm_router_logits)."""
         if not x.is_cuda:
@@ -275,9 +274,7 @@ class DeepseekV2Model(DecoderModel):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-def load_deepseek_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], rename
-) -> None:
+def load_deepseek_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], rename) -> None:
     """Load HF-named tensors into `model`.
 
     `rename(name)` maps a checkpoint name to this model's parameter name, or None to skip it.

@@ -7,7 +7,7 @@ the TP group (the same group unless DP attention is on).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -60,9 +60,7 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         base, scaling = get_rope_params(config)
         self.rotary_emb = get_rope(head_dim, head_dim, config.max_position_embeddings, base, scaling)
-        self.attn = RadixAttention(
-            self.qkv_proj.num_heads, head_dim, head_dim**-0.5, self.qkv_proj.num_kv_heads, layer_id
-        )
+        self.attn = RadixAttention(self.qkv_proj.num_heads, head_dim, head_dim**-0.5, self.qkv_proj.num_kv_heads, layer_id)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -82,9 +80,7 @@ class LlamaModel(DecoderModel):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool = False):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group=get_attn_tp())
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 

@@ -18,7 +18,7 @@ Checkpoint format (a directory, loaded like any model):
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -28,9 +28,9 @@ from sglang.srt.distributed.parallel_state import get_attn_tp
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from sglang.srt.models.weight_loading import load_weights_into
 from sglang.srt.models.causal_lm import CausalLM, DraftModel
 from sglang.srt.models.llama import STACKED_PARAMS_MAPPING, LlamaDecoderLayer
+from sglang.srt.models.weight_loading import load_weights_into
 
 
 class LlamaEagleModel(DraftModel):

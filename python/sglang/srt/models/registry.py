@@ -46,6 +46,4 @@ def get_model_class(architectures: list[str]) -> type[nn.Module]:
     for arch in architectures or []:
         if arch in registry:
             return registry[arch]
-    raise ValueError(
-        f"model architectures {architectures} are not supported; supported: {', '.join(supported_architectures())}"
-    )
+    raise ValueError(f"model architectures {architectures} are not supported; supported: {', '.join(supported_architectures())}")

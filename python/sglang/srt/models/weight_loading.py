@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 from torch import nn

@@ -6,8 +6,9 @@ Building a batch's parameters uploads nothing for an all-greedy batch without pe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -45,7 +46,7 @@ class SamplingBatchInfo:
         generators: Sequence[Optional[torch.Generator]],
         vocab_size: int,
         device: str,
-    ) -> "SamplingBatchInfo":
+    ) -> SamplingBatchInfo:
         """token_histories: (prompt ids, output ids) per request, read only when penalties are on.
         At most one upload per kind of tensor (filters, penalty values, penalty token ids)."""
         info = cls(
@@ -90,7 +91,9 @@ class SamplingBatchInfo:
         values = [[p.frequency_penalty, p.presence_penalty, p.repetition_penalty] for p in params]
         freq, pres, rep = upload(list(zip(*values)), device, torch.float32)
         self.frequency_penalties, self.presence_penalties, self.repetition_penalties = (
-            freq.view(-1, 1), pres.view(-1, 1), rep.view(-1, 1),
+            freq.view(-1, 1),
+            pres.view(-1, 1),
+            rep.view(-1, 1),
         )
 
     def count_more_outputs(self, counts: torch.Tensor) -> None:

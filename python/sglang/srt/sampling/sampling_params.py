@@ -37,7 +37,7 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
         """Build from a request's `sampling_params`; unknown keys are an error."""
         d = dict(d or {})
         if "seed" in d:  # OpenAI-style alias
@@ -123,7 +123,9 @@ class SamplingParams:
                 raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})")
             _check_finite(f"logit_bias[{token_id}]", bias)
             if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
-                raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias} for token {token_id}")
+                raise ValueError(
+                    f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias} for token {token_id}"
+                )
 
 
 def _check_type(name: str, value: Any, types) -> None:

@@ -33,8 +33,9 @@ decisions, are the same too.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
 
@@ -155,7 +156,7 @@ class AdaptiveTiers:
         self.total, self.since_log = TierCounts(), TierCounts()
 
     @classmethod
-    def from_server_args(cls, args) -> "AdaptiveTiers":
+    def from_server_args(cls, args) -> AdaptiveTiers:
         pairs = args.speculative_adaptive_schedule_pairs
         policy: TierPolicy = FixedSchedule(tuple(pairs)) if pairs else CostModel(args.speculative_tiers)
         return cls(args.speculative_num_steps, policy)

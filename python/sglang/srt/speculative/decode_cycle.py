@@ -19,9 +19,10 @@ give a sub-forward is that of a padded row.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -71,7 +72,7 @@ class DecodeCycle:
     # compare).
     states: RequestStates = field(repr=False)
     table: ReqToTokenPool = field(repr=False)
-    target: "ModelRunner" = field(repr=False)
+    target: ModelRunner = field(repr=False)
     # The programs of the tier's sub-forwards.
     draft_loop: Optional[DraftLoop]
     verify: VerifyProgram
@@ -123,7 +124,9 @@ class DecodeCycle:
         if self.sizes.steps == 1:
             return build_draft_tree(probs, tokens, self.table.constants.full((bs, k), -1), self.sizes.num_draft_tokens, 1)
         fb = self._batch(
-            cycle, SubForward.DRAFT_LOOP, ForwardMode.DRAFT_DECODE,
+            cycle,
+            SubForward.DRAFT_LOOP,
+            ForwardMode.DRAFT_DECODE,
             input_ids=tokens.flatten(),
             positions=cycle.kv_len.clamp(max=self.max_position).view(-1, 1).expand(-1, k).flatten().contiguous(),
             out_cache_loc=cycle.slots[:, :k].flatten().contiguous(),  # the first step's scratch: columns L .. L + k - 1
@@ -139,7 +142,9 @@ class DecodeCycle:
         n = self.sizes.num_draft_tokens
         positions = (cycle.kv_len.view(-1, 1) + tree.depths).clamp(max=self.max_position)
         return self._batch(
-            cycle, SubForward.TARGET_VERIFY, ForwardMode.TARGET_VERIFY,
+            cycle,
+            SubForward.TARGET_VERIFY,
+            ForwardMode.TARGET_VERIFY,
             input_ids=node_tokens.flatten(),
             positions=positions.flatten(),
             out_cache_loc=cycle.slots[:, :n].flatten().contiguous(),
@@ -157,7 +162,9 @@ class DecodeCycle:
         self.table.write_rows_from(cycle.rows, cycle.kv_len, outcome.extend_slots)
         positions = (cycle.kv_len.view(-1, 1) + self.table.constants.arange(width)).clamp(max=self.max_position)
         fb = self._batch(
-            cycle, SubForward.DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND,
+            cycle,
+            SubForward.DRAFT_EXTEND,
+            ForwardMode.DRAFT_EXTEND,
             input_ids=outcome.acceptance.emitted.flatten(),
             positions=positions.flatten(),
             out_cache_loc=outcome.extend_slots.flatten(),
@@ -206,4 +213,3 @@ def cycle_batch(rows: torch.Tensor, slots: torch.Tensor, host_kv_len: list[int],
         extend_seq_lens_cpu=[slots.shape[1]] * rows.shape[0],
         host_lens_exact=host_lens_exact,
     )
-

@@ -63,8 +63,11 @@ class DraftLoop:
             ancestors = torch.cat([ancestors[arange_bs, parent_input], itself], dim=2)
             step = self._next_step(fb, t + 1, tokens, hidden, ancestors)
         tree = build_draft_tree(
-            torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1),
-            self.num_draft_tokens, self.steps,
+            torch.cat(cand_scores, 1),
+            torch.cat(cand_tokens, 1),
+            torch.cat(cand_parents, 1),
+            self.num_draft_tokens,
+            self.steps,
         )
         return tree.as_tuple()
 

@@ -16,8 +16,8 @@ reads), so they run inside CUDA graphs and a greedy cycle reads the device once,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -50,7 +50,7 @@ class DraftTree:
         return self.tokens, self.parents, self.depths, self.mask
 
     @classmethod
-    def from_mask(cls, node_tokens: torch.Tensor, mask: torch.Tensor) -> "DraftTree":
+    def from_mask(cls, node_tokens: torch.Tensor, mask: torch.Tensor) -> DraftTree:
         """The tree of a verify batch from its node tokens [bs, n] and tree mask [bs, n, n]
         alone. A node's ancestors are numbered below it, its parent highest among them."""
         n = mask.shape[-1]
@@ -158,11 +158,17 @@ class VerifyOutcome:
     host_reads: torch.Tensor  # [bs, 1 + 2 * width] accept_len, nodes, emitted: what the host reads
 
     def as_tuple(self) -> tuple[torch.Tensor, ...]:
-        return (*self.acceptance.as_tuple(), self.extend_slots, self.extend_hidden, self.extend_logits_rows,
-                self.cursors, self.host_reads)
+        return (
+            *self.acceptance.as_tuple(),
+            self.extend_slots,
+            self.extend_hidden,
+            self.extend_logits_rows,
+            self.cursors,
+            self.host_reads,
+        )
 
     @classmethod
-    def from_tuple(cls, values: tuple[torch.Tensor, ...]) -> "VerifyOutcome":
+    def from_tuple(cls, values: tuple[torch.Tensor, ...]) -> VerifyOutcome:
         accept_len, nodes, emitted, *rest = values
         return cls(Acceptance(accept_len, nodes, emitted), *rest)
 
@@ -214,9 +220,7 @@ def non_finite_requests(logits: torch.Tensor, batch_size: int) -> torch.Tensor:
     return (~torch.isfinite(logits).view(batch_size, -1)).any(dim=1)
 
 
-def walk_tree(
-    parents: list[int], child_prob: list[float], residual_mass: list[float], uniforms: list[float]
-) -> list[int]:
+def walk_tree(parents: list[int], child_prob: list[float], residual_mass: list[float], uniforms: list[float]) -> list[int]:
     """Tree speculative sampling with deterministic draft proposals (lossless), on the host.
 
     At node v with target distribution p, one draw u = uniforms[v] picks among v's children

@@ -33,9 +33,10 @@ KV pool: draft position j holds the draft's KV for token j+1 at the target's slo
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -171,7 +172,9 @@ class EAGLEWorker:
         self.trace: list[tuple[str, Optional[tuple[int, ...]], int]] = []
         logger.info(
             "Speculative decoding: %s, steps %d, topk %d, draft tokens %d%s",
-            server_args.speculative_algorithm, server_args.speculative_num_steps, self.topk,
+            server_args.speculative_algorithm,
+            server_args.speculative_num_steps,
+            self.topk,
             server_args.speculative_num_draft_tokens,
             f", adaptive over the tiers of {sorted(self.tiers)} steps" if len(self.tiers) > 1 else "",
         )
@@ -346,8 +349,16 @@ class EAGLEWorker:
         return self._forward(runner, fb, kind, it)
 
     def _accept_on_host(
-        self, sizes: SpecSizes, reqs: list[Req], reads: list[torch.Tensor], cycle: CycleTensors, tree: DraftTree,
-        node_tokens: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, outcome: VerifyOutcome,
+        self,
+        sizes: SpecSizes,
+        reqs: list[Req],
+        reads: list[torch.Tensor],
+        cycle: CycleTensors,
+        tree: DraftTree,
+        node_tokens: torch.Tensor,
+        logits: torch.Tensor,
+        hidden: torch.Tensor,
+        outcome: VerifyOutcome,
     ) -> VerifyOutcome:
         """The outcome of a batch that samples or has penalties (from the verify logits; the
         greedy outcome otherwise), and what the host reads of the cycle into `reads`."""
@@ -363,7 +374,12 @@ class EAGLEWorker:
         return outcome
 
     def accept(
-        self, sizes: SpecSizes, reqs: list[Req], tree: DraftTree, node_tokens: torch.Tensor, logits: torch.Tensor,
+        self,
+        sizes: SpecSizes,
+        reqs: list[Req],
+        tree: DraftTree,
+        node_tokens: torch.Tensor,
+        logits: torch.Tensor,
         non_finite: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Acceptance]:
         """The verify logits after penalties and what they accept (greedy, or sampled), for a
@@ -388,7 +404,12 @@ class EAGLEWorker:
         return logits, self.sample_accept(sizes, reqs, tree, node_tokens, logits, info)
 
     def sample_accept(
-        self, sizes: SpecSizes, reqs: list[Req], tree: DraftTree, node_tokens: torch.Tensor, logits: torch.Tensor,
+        self,
+        sizes: SpecSizes,
+        reqs: list[Req],
+        tree: DraftTree,
+        node_tokens: torch.Tensor,
+        logits: torch.Tensor,
         info: SamplingBatchInfo,
     ) -> Acceptance:
         """Lossless tree sampling, walked on the host (two reads of the device)."""
@@ -411,9 +432,7 @@ class EAGLEWorker:
                 u[b] = torch.rand(n, generator=gen, device=self.device)
         return u
 
-    def _logprobs(
-        self, sizes: SpecSizes, reqs: list[Req], logits: torch.Tensor, acceptance: Acceptance
-    ) -> list[torch.Tensor]:
+    def _logprobs(self, sizes: SpecSizes, reqs: list[Req], logits: torch.Tensor, acceptance: Acceptance) -> list[torch.Tensor]:
         """Logprob of each emitted token (padding columns too) under the target logits (after
         penalties) of its node, and the top logprobs when asked for: [bs * width (, top_n)]."""
         rows = torch.arange(len(reqs), device=self.device).view(-1, 1) * sizes.num_draft_tokens + acceptance.nodes
@@ -458,7 +477,12 @@ class EAGLEWorker:
         return keep
 
     def _fill_logprobs(
-        self, width: int, reqs: list[Req], accept_len: list[int], emitted: list[list[int]], reads: list,
+        self,
+        width: int,
+        reqs: list[Req],
+        accept_len: list[int],
+        emitted: list[list[int]],
+        reads: list,
         result: GenerationResult,
     ) -> None:
         """width: the cycle's emitted tokens per request (steps + 1, padding included)."""

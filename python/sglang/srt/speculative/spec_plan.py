@@ -44,7 +44,7 @@ class SpecSizes:
     num_draft_tokens: int
 
     @classmethod
-    def tiers(cls, args) -> tuple["SpecSizes", ...]:
+    def tiers(cls, args) -> tuple[SpecSizes, ...]:
         """The sizes of every tier, ascending by steps: the configured sizes alone, or with
         --speculative-adaptive one chain per tier (num_draft_tokens = steps + 1). The last tier
         is the largest in every size: it sizes the buffers, the request->token table and the
@@ -93,13 +93,13 @@ class SpecIterationPlan:
     dp_attention: bool
 
     @classmethod
-    def from_global(cls, plan: GlobalPlan, sizes: SpecSizes) -> "SpecIterationPlan":
+    def from_global(cls, plan: GlobalPlan, sizes: SpecSizes) -> SpecIterationPlan:
         extend = tuple(p.num_tokens if p.is_extend else 0 for p in plan.per_rank)
         decode = tuple(0 if p.is_extend else p.num_reqs for p in plan.per_rank)
         return cls(sizes, extend if any(extend) else None, decode if any(decode) else None, True)
 
     @classmethod
-    def local(cls, mode: ForwardMode, num_tokens: int, num_reqs: int, sizes: SpecSizes) -> "SpecIterationPlan":
+    def local(cls, mode: ForwardMode, num_tokens: int, num_reqs: int, sizes: SpecSizes) -> SpecIterationPlan:
         """One DP group: the phase of this rank's own batch, no gathering."""
         is_extend = mode == ForwardMode.EXTEND
         return cls(sizes, (num_tokens,) if is_extend else None, None if is_extend else (num_reqs,), False)

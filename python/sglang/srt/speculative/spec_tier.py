@@ -35,13 +35,11 @@ class SpecTier:
     programs: dict[SubForward, GraphProgram]
 
     @classmethod
-    def build(cls, sizes: SpecSizes, max_position: int, **cycle_parts) -> "SpecTier":
+    def build(cls, sizes: SpecSizes, max_position: int, **cycle_parts) -> SpecTier:
         """cycle_parts: what DecodeCycle shares across tiers (request states, table, target runner)."""
         loop = DraftLoop(sizes.steps, sizes.topk, sizes.num_draft_tokens, max_position) if sizes.steps > 1 else None
         verify, draft_extend = verify_program(sizes), DraftExtendProgram(sizes.topk, sizes.draft_extend_rows)
-        cycle = DecodeCycle(
-            sizes, max_position, draft_loop=loop, verify=verify, draft_extend=draft_extend, **cycle_parts
-        )
+        cycle = DecodeCycle(sizes, max_position, draft_loop=loop, verify=verify, draft_extend=draft_extend, **cycle_parts)
         programs: dict[SubForward, GraphProgram] = {
             SubForward.TARGET_VERIFY: verify,
             SubForward.DRAFT_EXTEND: draft_extend,
@@ -60,14 +58,22 @@ class SpecTier:
         sizes, group = self.sizes, self.sizes.steps
         modes = {
             ModeKey(ForwardMode.DRAFT_EXTEND, self.programs[SubForward.DRAFT_EXTEND]): CapturedMode(
-                sizes.draft_extend_rows, capture_hidden=CaptureHiddenMode.LAST, logits_at_rows=True,
-                spec_info=SpecInput.layout(hidden_size, dtype, scores=False), outputs_as_views=True, group=group,
+                sizes.draft_extend_rows,
+                capture_hidden=CaptureHiddenMode.LAST,
+                logits_at_rows=True,
+                spec_info=SpecInput.layout(hidden_size, dtype, scores=False),
+                outputs_as_views=True,
+                group=group,
             )
         }
         if self.draft_loop is not None:
             modes[ModeKey(ForwardMode.DRAFT_DECODE, self.draft_loop)] = CapturedMode(
-                sizes.topk, (sizes.topk,), CaptureHiddenMode.FULL, spec_info=SpecInput.layout(hidden_size, dtype, scores=True),
-                outputs_as_views=True, group=group,
+                sizes.topk,
+                (sizes.topk,),
+                CaptureHiddenMode.FULL,
+                spec_info=SpecInput.layout(hidden_size, dtype, scores=True),
+                outputs_as_views=True,
+                group=group,
             )
         modes[ModeKey(ForwardMode.DECODE_CYCLE, self.cycle)] = CapturedMode(
             sizes.decode_kv_need_per_req, slots_only=True, outputs_as_views=True, group=group
@@ -84,7 +90,10 @@ def target_graph_modes(tiers: tuple[SpecSizes, ...]) -> dict[ModeKey, CapturedMo
     the verify with its greedy acceptance."""
     return {
         ModeKey(ForwardMode.TARGET_VERIFY, verify_program(sizes)): CapturedMode(
-            sizes.num_draft_tokens, (sizes.num_draft_tokens,), CaptureHiddenMode.FULL, outputs_as_views=True,
+            sizes.num_draft_tokens,
+            (sizes.num_draft_tokens,),
+            CaptureHiddenMode.FULL,
+            outputs_as_views=True,
             group=sizes.steps,
         )
         for sizes in tiers

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -27,6 +27,4 @@ class DeviceConstants:
 
     def tiled_eye(self, repeats: int, k: int) -> torch.Tensor:
         """bool [repeats * k, k]: the k x k identity, `repeats` times."""
-        return self._get(
-            ("tiled_eye", repeats, k), lambda: torch.eye(k, dtype=torch.bool, device=self.device).repeat(repeats, 1)
-        )
+        return self._get(("tiled_eye", repeats, k), lambda: torch.eye(k, dtype=torch.bool, device=self.device).repeat(repeats, 1))

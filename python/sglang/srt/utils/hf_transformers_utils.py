@@ -46,7 +46,7 @@ def get_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig:
     return copy.deepcopy(_read_config(resolve_model_path(path), trust_remote_code))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _read_config(path: str, trust_remote_code: bool) -> PretrainedConfig:
     if is_gguf(path):  # parses the GGUF metadata: seconds for a real model
         return AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
@@ -66,7 +66,7 @@ def get_server_tokenizer(server_args: Any) -> Optional[PreTrainedTokenizerBase]:
     return get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load_tokenizer(path: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
     try:
         if is_gguf(path):

@@ -9,6 +9,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -78,10 +79,8 @@ def kill_process_trees(pids: list[int], include_parent: bool = True, timeout: fl
         victims += [pid for pid in pids if pid != os.getpid()]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for victim in victims:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(victim, sig)
-            except ProcessLookupError:
-                pass
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and any(pid_alive(v) for v in victims):
             time.sleep(0.05)

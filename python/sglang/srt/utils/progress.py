@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Iterable, Iterator, Optional, Sized, TypeVar
+from collections.abc import Iterable, Iterator, Sized
+from typing import Optional, TypeVar
 
 from tqdm import tqdm
 

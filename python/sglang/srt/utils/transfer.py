@@ -12,7 +12,7 @@ from __future__ import annotations
 import array
 import functools
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

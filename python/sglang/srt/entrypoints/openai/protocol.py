@@ -106,7 +106,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
-    matched_stop: Union[None, int, str] = None
+    matched_stop: Union[int, str, None] = None
 
 
 class CompletionResponse(BaseModel):
@@ -180,7 +180,7 @@ class ChatCompletionChoice(BaseModel):
     message: ChatMessageOut
     logprobs: Optional[ChoiceLogprobs] = None
     finish_reason: Optional[str] = None
-    matched_stop: Union[None, int, str] = None
+    matched_stop: Union[int, str, None] = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -202,7 +202,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: Optional[ChoiceLogprobs] = None
     finish_reason: Optional[str] = None
-    matched_stop: Union[None, int, str] = None
+    matched_stop: Union[int, str, None] = None
 
 
 class ChatCompletionChunk(BaseModel):

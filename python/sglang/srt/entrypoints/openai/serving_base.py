@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, AsyncIterator, Optional
+from collections.abc import AsyncIterator
+from typing import Any, Optional
 
 import orjson
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -118,9 +119,13 @@ class OpenAIServingBase:
 
     def check_model(self, model: str) -> None:
         if self.tm.tokenizer is None:
-            raise RequestError("The OpenAI endpoints need a tokenizer; this server runs with --skip-tokenizer-init: use /generate with input_ids")
+            raise RequestError(
+                "The OpenAI endpoints need a tokenizer; this server runs with --skip-tokenizer-init: use /generate with input_ids"
+            )
         if model not in self.model_names:
-            raise RequestError(f"The model {model!r} does not exist; this server serves {self.tm.server_args.served_model_name!r}", 404)
+            raise RequestError(
+                f"The model {model!r} does not exist; this server serves {self.tm.server_args.served_model_name!r}", 404
+            )
 
     def generate(self, obj: GenerateReqInput, raw_request) -> AsyncIterator[Any]:
         # raw_request is polled until a first chunk goes out; then a gone client cancels the stream.

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional
+from collections.abc import AsyncIterator
+from typing import Any, Optional
 
 from fastapi.responses import JSONResponse, Response
 

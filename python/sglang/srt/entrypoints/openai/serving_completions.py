@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional
+from collections.abc import AsyncIterator
+from typing import Any, Optional
 
 from fastapi.responses import JSONResponse, Response
 
@@ -49,7 +50,9 @@ class OpenAIServingCompletion(OpenAIServingBase):
             reason, matched = finish_reason(out["meta_info"])
             echo = self._echo_prefix(request, i // request.n)
             logprobs = self._logprobs(request, out["meta_info"], 0, len(echo), request.echo)
-            choices.append(CompletionChoice(index=i, text=echo + out["text"], logprobs=logprobs, finish_reason=reason, matched_stop=matched))
+            choices.append(
+                CompletionChoice(index=i, text=echo + out["text"], logprobs=logprobs, finish_reason=reason, matched_stop=matched)
+            )
         response = CompletionResponse(model=request.model, choices=choices, usage=usage(outputs, request.n))
         return JSONResponse(response.model_dump())
 

@@ -49,9 +49,7 @@ def build_kv_indices(
     bs = req_pool_indices.shape[0]
     if bs == 0:
         return
-    _fill_kv_indices_kernel[(bs,)](
-        req_to_token, req_pool_indices, kv_indptr, kv_indices, req_to_token.stride(0), BLOCK=512
-    )
+    _fill_kv_indices_kernel[(bs,)](req_to_token, req_pool_indices, kv_indptr, kv_indices, req_to_token.stride(0), BLOCK=512)
 
 
 @dataclass(frozen=True)
@@ -70,7 +68,7 @@ class HeadDimTiling:
     block_dv: int
 
     @staticmethod
-    def of(lk: int, lv: int) -> "HeadDimTiling":
+    def of(lk: int, lv: int) -> HeadDimTiling:
         if lk < lv:
             raise ValueError(f"key head dim {lk} smaller than value head dim {lv} is not supported")
         d_main = lv if lk > lv else lk
@@ -86,9 +84,7 @@ def q_heads_view(q: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor
 
 
 @triton.jit
-def load_q_tile(
-    q_rows, valid_rows, D_MAIN: tl.constexpr, LK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr
-):
+def load_q_tile(q_rows, valid_rows, D_MAIN: tl.constexpr, LK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr):
     """(q [rows, BLOCK_D], q_pe [rows, BLOCK_DPE]): a query tile's first D_MAIN channels and its
     channels D_MAIN..LK (HeadDimTiling's split; q_pe is q, unused, when BLOCK_DPE is 0).
     q_rows: [rows, 1] pointers to each row's channel 0; invalid rows load as 0."""
@@ -103,11 +99,27 @@ def load_q_tile(
 
 @triton.jit
 def attend_kv_block(
-    q, q_pe, acc, l_i, m_i,
-    slot_ptr, offs_n, valid_n, visible,
-    K_head, V_head, stride_kn, stride_vn, qk_scale,
-    D_MAIN: tl.constexpr, LK: tl.constexpr, LV: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q,
+    q_pe,
+    acc,
+    l_i,
+    m_i,
+    slot_ptr,
+    offs_n,
+    valid_n,
+    visible,
+    K_head,
+    V_head,
+    stride_kn,
+    stride_vn,
+    qk_scale,
+    D_MAIN: tl.constexpr,
+    LK: tl.constexpr,
+    LV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One step of the running (online) softmax over the KV block of tokens offs_n.
 

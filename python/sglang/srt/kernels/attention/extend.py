@@ -22,13 +22,35 @@ from sglang.srt.utils.triton_precision import dot_precision
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, O, qo_indptr, kv_indptr, kv_indices, Mask, tree_cols,
+    Q,
+    K,
+    V,
+    O,  # noqa: E741  (O: the output)
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    Mask,
+    tree_cols,
     qk_scale,
-    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
+    stride_qt,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_ot,
+    stride_oh,
     GROUP: tl.constexpr,
-    LK: tl.constexpr, LV: tl.constexpr, D_MAIN: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_MASK: tl.constexpr, PACK: tl.constexpr,
+    LK: tl.constexpr,
+    LV: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_MASK: tl.constexpr,
+    PACK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # PACK query heads of one KV head share a program: tile row g holds token g // PACK of
@@ -51,9 +73,7 @@ def _extend_kernel(
         valid_m = offs_m < q_len
         offs_dv = tl.arange(0, BLOCK_DV)
         rows = (q_start + offs_m).to(tl.int64)
-        q, q_pe = load_q_tile(
-            Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh, valid_m, D_MAIN, LK, BLOCK_D, BLOCK_DPE
-        )
+        q, q_pe = load_q_tile(Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh, valid_m, D_MAIN, LK, BLOCK_D, BLOCK_DPE)
         if USE_MASK:
             kv_end = kv_len
             mask_row = rows * tree_cols
@@ -71,17 +91,32 @@ def _extend_kernel(
             visible = valid_m[:, None] & valid_n[None, :]
             if USE_MASK:
                 in_tree = offs_n[None, :] >= tree_start
-                custom = tl.load(
-                    Mask + mask_row[:, None] + (offs_n[None, :] - tree_start), mask=visible & in_tree, other=0
-                )
+                custom = tl.load(Mask + mask_row[:, None] + (offs_n[None, :] - tree_start), mask=visible & in_tree, other=0)
                 visible = visible & ((custom != 0) | ~in_tree)
             else:
                 visible = visible & (offs_n[None, :] <= prefix + offs_m[:, None])
             acc, l_i, m_i = attend_kv_block(
-                q, q_pe, acc, l_i, m_i,
-                kv_indices + kv_start, offs_n, valid_n, visible,
-                k_head, v_head, stride_kn, stride_vn, qk_scale,
-                D_MAIN, LK, LV, BLOCK_D, BLOCK_DPE, BLOCK_DV, DOT_PRECISION,
+                q,
+                q_pe,
+                acc,
+                l_i,
+                m_i,
+                kv_indices + kv_start,
+                offs_n,
+                valid_n,
+                visible,
+                k_head,
+                v_head,
+                stride_kn,
+                stride_vn,
+                qk_scale,
+                D_MAIN,
+                LK,
+                LV,
+                BLOCK_D,
+                BLOCK_DPE,
+                BLOCK_DV,
+                DOT_PRECISION,
             )
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -140,14 +175,36 @@ def extend_attention(
     if use_mask:
         block_m = min(block_m, max(16, next_power_of_2(max_extend_len * pack)))
     _extend_kernel[(bs, num_heads // pack, cdiv(max_extend_len * pack, block_m))](
-        q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, mask, tree_cols,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        mask,
+        tree_cols,
         scaling * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
         GROUP=group,
-        LK=lk, LV=lv, D_MAIN=tiling.d_main,
-        BLOCK_D=tiling.block_d, BLOCK_DPE=tiling.block_dpe, BLOCK_DV=tiling.block_dv,
-        BLOCK_M=block_m, BLOCK_N=block_n, USE_MASK=use_mask, PACK=pack,
+        LK=lk,
+        LV=lv,
+        D_MAIN=tiling.d_main,
+        BLOCK_D=tiling.block_d,
+        BLOCK_DPE=tiling.block_dpe,
+        BLOCK_DV=tiling.block_dv,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        USE_MASK=use_mask,
+        PACK=pack,
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=1,
+        num_warps=num_warps,
+        num_stages=1,
     )

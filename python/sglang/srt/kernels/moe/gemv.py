@@ -28,9 +28,24 @@ from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
 @triton.jit
 def _gate_up_gemv_kernel(
-    hidden, w13, topk_ids, act, N, K, stride_h, stride_we, stride_wn, num_expert_slots,
-    SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr, SHARED_SLOTS: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+    hidden,
+    w13,
+    topk_ids,
+    act,
+    N,
+    K,
+    stride_h,
+    stride_we,
+    stride_wn,
+    num_expert_slots,
+    SLOTS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+    SHARED_SLOTS: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
+    LINE_ELEMS: tl.constexpr,
 ):
     # act[p, n] = silu(x . w13[e, n]) * (x . w13[e, N + n]) for pair p (token p // SLOTS, expert e).
     pair = tl.program_id(0).to(tl.int64)
@@ -67,8 +82,20 @@ def _gate_up_gemv_kernel(
 
 @triton.jit
 def _down_gemv_combine_kernel(
-    act, w2, topk_ids, topk_weights, out, N, K, stride_we, stride_wn, stride_out,
-    SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    act,
+    w2,
+    topk_ids,
+    topk_weights,
+    out,
+    N,
+    K,
+    stride_we,
+    stride_wn,
+    stride_out,
+    SLOTS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     # out[t, n] = sum over the slots s of t's pairs p = t * SLOTS + s of (weight[p] * act[p]) . w2[e, n],
     # all in one float32 accumulator, reduced over its BLOCK_K lanes at the end.
@@ -110,13 +137,41 @@ def moe_gemv(
     pdl = shared_slots > 0 and signals_dependents(hidden.device)
     line = cache_line_elems(w13)
     _gate_up_gemv_kernel[(num_tokens * slots, cdiv(inter, w13_tile.block_n))](
-        hidden, w13, ids, act, inter, hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1), w13.shape[0],
-        SLOTS=slots, BLOCK_N=w13_tile.block_n, BLOCK_K=w13_tile.block_k, NUM_STAGES=w13_tile.num_stages,
-        PDL=pdl, SHARED_SLOTS=shared_slots, PREFETCH_LINES=min(next_power_of_2(cdiv(hidden_size, line)), 32),
-        LINE_ELEMS=line, num_warps=w13_tile.num_warps, **pdl_launch(pdl),
+        hidden,
+        w13,
+        ids,
+        act,
+        inter,
+        hidden_size,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13.shape[0],
+        SLOTS=slots,
+        BLOCK_N=w13_tile.block_n,
+        BLOCK_K=w13_tile.block_k,
+        NUM_STAGES=w13_tile.num_stages,
+        PDL=pdl,
+        SHARED_SLOTS=shared_slots,
+        PREFETCH_LINES=min(next_power_of_2(cdiv(hidden_size, line)), 32),
+        LINE_ELEMS=line,
+        num_warps=w13_tile.num_warps,
+        **pdl_launch(pdl),
     )
     _down_gemv_combine_kernel[(num_tokens, cdiv(hidden_size, w2_tile.block_n))](
-        act, w2, ids, topk_weights.flatten().float(), out, hidden_size, inter, w2.stride(0), w2.stride(1),
-        out.stride(0), SLOTS=slots, BLOCK_N=w2_tile.block_n, BLOCK_K=w2_tile.block_k, NUM_STAGES=w2_tile.num_stages,
+        act,
+        w2,
+        ids,
+        topk_weights.flatten().float(),
+        out,
+        hidden_size,
+        inter,
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        SLOTS=slots,
+        BLOCK_N=w2_tile.block_n,
+        BLOCK_K=w2_tile.block_k,
+        NUM_STAGES=w2_tile.num_stages,
         num_warps=w2_tile.num_warps,
     )

@@ -20,7 +20,6 @@ from sglang.srt.kernels.moe.tiles import GemmTile, MoeKernelConfig, kernel_confi
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 from sglang.srt.utils.triton_precision import dot_precision
 
-
 # One program aligns up to this many (token, slot) pairs in registers (decode batches up to
 # 128 tokens at top-8); larger batches take the plain-PyTorch path, which has no host syncs
 # either. Its kernel variants (one per power of two of the pairs, see align_by_expert) compile
@@ -60,9 +59,17 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
     scratch = torch.empty(block_p, dtype=torch.int64, device=device)
     _align_kernel[(1,)](
-        topk_ids.flatten(), scratch, sorted_pairs, block_expert, num_pairs, max_blocks,
-        NUM_EXPERTS=num_experts, BLOCK_P=block_p, BLOCK_M=block_m,
-        BLOCK_PAD=block_pad, BLOCK_B=next_power_of_2(bound),
+        topk_ids.flatten(),
+        scratch,
+        sorted_pairs,
+        block_expert,
+        num_pairs,
+        max_blocks,
+        NUM_EXPERTS=num_experts,
+        BLOCK_P=block_p,
+        BLOCK_M=block_m,
+        BLOCK_PAD=block_pad,
+        BLOCK_B=next_power_of_2(bound),
         num_warps=min(8, max(1, block_pad // 256)),  # decode at batch 1: 128 slots, one warp, no cross-warp syncs
     )
     return sorted_pairs, block_expert
@@ -121,9 +128,17 @@ def _maximum(a, b):
 
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])  # batch-sized: one variant for many
 def _align_kernel(
-    topk_ids, scratch, sorted_pairs, block_expert, num_pairs, max_blocks,
-    NUM_EXPERTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
+    topk_ids,
+    scratch,
+    sorted_pairs,
+    block_expert,
+    num_pairs,
+    max_blocks,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_PAD: tl.constexpr,
+    BLOCK_B: tl.constexpr,
 ):
     """align_by_expert in one program: sort the pairs by (expert, pair), find each expert's
     run in the sorted order, and scatter every pair to its run's padded start + its rank."""
@@ -155,11 +170,30 @@ def _align_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
-    A, W, C, sorted_pairs, block_expert, topk_weights,
-    num_pairs, N, K,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn,
-    NUM_EXPERTS: tl.constexpr, ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    A,
+    W,
+    C,
+    sorted_pairs,
+    block_expert,
+    topk_weights,
+    num_pairs,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_cm,
+    stride_cn,
+    NUM_EXPERTS: tl.constexpr,
+    ROWS_PER_A: tl.constexpr,
+    GATED: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """C[pair, n] = A[pair // ROWS_PER_A] . W[expert, n] for the pairs of one sorted block.
 
@@ -192,9 +226,7 @@ def _grouped_gemm_kernel(
             w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
             acc += tl.dot(a, w, input_precision=DOT_PRECISION)
             if GATED:
-                w_up = tl.load(
-                    w_base + (offs_n[None, :] + N) * stride_wn + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0
-                )
+                w_up = tl.load(w_base + (offs_n[None, :] + N) * stride_wn + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
                 acc_up += tl.dot(a, w_up, input_precision=DOT_PRECISION)
         if GATED:
             acc = acc * tl.sigmoid(acc) * acc_up
@@ -222,12 +254,32 @@ def _grouped_gemm(
     n_out, k_in = c.shape[1], a.shape[1]
     grid = (block_expert.shape[0], cdiv(n_out, tile.block_n))
     _grouped_gemm_kernel[grid](
-        a, w, c, sorted_pairs, block_expert, topk_weights,
-        c.shape[0], n_out, k_in,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
-        NUM_EXPERTS=w.shape[0], ROWS_PER_A=rows_per_a, GATED=gated, MUL_WEIGHT=not gated,
-        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, DOT_PRECISION=dot_precision(a.dtype),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        a,
+        w,
+        c,
+        sorted_pairs,
+        block_expert,
+        topk_weights,
+        c.shape[0],
+        n_out,
+        k_in,
+        a.stride(0),
+        a.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        c.stride(0),
+        c.stride(1),
+        NUM_EXPERTS=w.shape[0],
+        ROWS_PER_A=rows_per_a,
+        GATED=gated,
+        MUL_WEIGHT=not gated,
+        BLOCK_M=block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        DOT_PRECISION=dot_precision(a.dtype),
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
 
 

@@ -48,8 +48,16 @@ def router_takes_kernel(num_tokens: int, num_experts: int, hidden: int, itemsize
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _router_logits_kernel(
-    x_ptr, w_ptr, out_ptr, num_tokens, hidden, x_stride, w_stride, out_stride,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    num_tokens,
+    hidden,
+    x_stride,
+    w_stride,
+    out_stride,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # Program (e, j): logit of expert e for tokens [j * BLOCK_T, (j + 1) * BLOCK_T), float32 throughout.
     e = tl.program_id(0).to(tl.int64)
@@ -81,8 +89,16 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         block_t = min(next_power_of_2(num_tokens), ROUTER_BLOCK_TOKENS)
         block_k = min(next_power_of_2(hidden), _ROUTER_TILE // block_t)
         _router_logits_kernel[(num_experts, cdiv(num_tokens, block_t))](
-            x, weight, out, num_tokens, hidden, x.stride(0), weight.stride(0), out.stride(0),
-            BLOCK_T=block_t, BLOCK_K=block_k,
+            x,
+            weight,
+            out,
+            num_tokens,
+            hidden,
+            x.stride(0),
+            weight.stride(0),
+            out.stride(0),
+            BLOCK_T=block_t,
+            BLOCK_K=block_k,
         )
     return out
 
@@ -101,9 +117,21 @@ def router_fuses_add_norm(num_tokens: int, num_experts: int) -> bool:
 
 @triton.jit
 def _add_rms_norm_router_kernel(
-    x_ptr, res_ptr, norm_w_ptr, router_w_ptr, normed_ptr, res_out_ptr, logits_ptr,
-    hidden, x_stride, res_stride, router_stride, num_experts, eps,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    norm_w_ptr,
+    router_w_ptr,
+    normed_ptr,
+    res_out_ptr,
+    logits_ptr,
+    hidden,
+    x_stride,
+    res_stride,
+    router_stride,
+    num_experts,
+    eps,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Program (t, e): token t's s = x + residual and normed = norm_w * rmsnorm(s), computed as
     # elementwise.py's add-RMSNorm kernel computes them (same helpers, same block and warps), then
@@ -145,16 +173,37 @@ def add_rms_norm_router_logits(
         block = next_power_of_2(hidden)
         pdl = signals_dependents(x.device)
         _add_rms_norm_router_kernel[(num_tokens, num_experts)](
-            x, residual, norm_weight, router_weight, normed, s, logits,
-            hidden, x.stride(0), residual.stride(0), router_weight.stride(0), num_experts, eps,
-            BLOCK=block, PDL=pdl, num_warps=rms_norm_warps(block), **pdl_launch(pdl),
+            x,
+            residual,
+            norm_weight,
+            router_weight,
+            normed,
+            s,
+            logits,
+            hidden,
+            x.stride(0),
+            residual.stride(0),
+            router_weight.stride(0),
+            num_experts,
+            eps,
+            BLOCK=block,
+            PDL=pdl,
+            num_warps=rms_norm_warps(block),
+            **pdl_launch(pdl),
         )
     return normed, s, logits
 
 
 @triton.jit
-def _top_group_mask(choice, offs, GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                    BLOCK_G: tl.constexpr, TOP2: tl.constexpr):
+def _top_group_mask(
+    choice,
+    offs,
+    GROUP_SIZE: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    TOP2: tl.constexpr,
+):
     """Experts of the TOPK_GROUP groups ranked best by their best (TOP2: two best) choices."""
     goffs = tl.arange(0, BLOCK_G)
     group_scores = tl.full([BLOCK_G], NEG_INF, tl.float32)
@@ -176,11 +225,26 @@ def _top_group_mask(choice, offs, GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexp
 
 @triton.jit
 def _route_kernel(
-    logits, bias, out_weights, out_ids, stride_row, scale,
-    E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_K: tl.constexpr,
-    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, METHOD: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    RENORMALIZE: tl.constexpr, SIGNAL_DEPENDENTS: tl.constexpr,
+    logits,
+    bias,
+    out_weights,
+    out_ids,
+    stride_row,
+    scale,
+    E: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    TOP_K: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    METHOD: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    SIGNAL_DEPENDENTS: tl.constexpr,
 ):
     # The experts' first kernel (PDL-launched at decode sizes) may start at once: it streams
     # the shared experts' weights, which no routing decides, while this kernel routes.
@@ -242,15 +306,27 @@ def select_experts_triton(
     n_group = cfg.num_expert_group or 1
     block_e = next_power_of_2(cfg.num_experts)
     _route_kernel[(num_tokens,)](
-        logits, correction_bias if correction_bias is not None else logits, weights, ids,
-        logits.stride(0), cfg.routed_scaling_factor,
-        E=cfg.num_experts, BLOCK_E=block_e,
-        TOP_K=cfg.top_k, SLOTS=cfg.slots, BLOCK_K=next_power_of_2(cfg.slots),
-        SIGMOID=cfg.scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None,
+        logits,
+        correction_bias if correction_bias is not None else logits,
+        weights,
+        ids,
+        logits.stride(0),
+        cfg.routed_scaling_factor,
+        E=cfg.num_experts,
+        BLOCK_E=block_e,
+        TOP_K=cfg.top_k,
+        SLOTS=cfg.slots,
+        BLOCK_K=next_power_of_2(cfg.slots),
+        SIGMOID=cfg.scoring_func == "sigmoid",
+        HAS_BIAS=correction_bias is not None,
         METHOD=_METHOD_CODES[cfg.topk_method],
-        GROUP_SIZE=cfg.num_experts // n_group, N_GROUP=n_group, TOPK_GROUP=cfg.topk_group or 1,
-        BLOCK_G=next_power_of_2(n_group), RENORMALIZE=cfg.renormalize,
-        SIGNAL_DEPENDENTS=signals_dependents(device), num_warps=_route_warps(block_e),
+        GROUP_SIZE=cfg.num_experts // n_group,
+        N_GROUP=n_group,
+        TOPK_GROUP=cfg.topk_group or 1,
+        BLOCK_G=next_power_of_2(n_group),
+        RENORMALIZE=cfg.renormalize,
+        SIGNAL_DEPENDENTS=signals_dependents(device),
+        num_warps=_route_warps(block_e),
     )
     return weights, ids
 

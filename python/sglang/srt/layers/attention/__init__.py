@@ -8,7 +8,7 @@ if TYPE_CHECKING:
     from sglang.srt.layers.attention.base import AttentionBackend
 
 
-def create_attention_backend(name: str) -> "AttentionBackend":
+def create_attention_backend(name: str) -> AttentionBackend:
     """The backend for `--attention-backend name`; fails early when its kernels are unavailable."""
     if name == "torch_native":
         from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -27,8 +27,7 @@ def create_attention_backend(name: str) -> "AttentionBackend":
             import flashinfer  # noqa: F401
         except ImportError as e:
             raise RuntimeError(
-                "--attention-backend flashinfer: the flashinfer package is not importable; "
-                "use --attention-backend triton instead"
+                "--attention-backend flashinfer: the flashinfer package is not importable; use --attention-backend triton instead"
             ) from e
         raise RuntimeError("--attention-backend flashinfer is not implemented; use --attention-backend triton")
     raise ValueError(f"unknown attention backend {name!r}; choose torch_native or triton")

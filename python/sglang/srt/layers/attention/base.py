@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 class AttentionBackend(ABC):
     """Reads query lengths, KV lengths and an optional custom mask; nothing else."""
 
-    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:  # noqa: B027  (optional hook)
         """Build backend-private metadata once per forward, before the layers run."""
 
     def forward(
@@ -23,8 +23,8 @@ class AttentionBackend(ABC):
         q: torch.Tensor,
         k: torch.Tensor | None,
         v: torch.Tensor | None,
-        layer: "RadixAttention",
-        forward_batch: "ForwardBatch",
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
         """q: [T, H*D]; k, v: [T, Hkv*D], saved into the pool first, or None when the pool
@@ -38,13 +38,11 @@ class AttentionBackend(ABC):
         return out.view(num_tokens, layer.tp_q_head_num * layer.v_head_dim)
 
     @abstractmethod
-    def attend(
-        self, q: torch.Tensor, out: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch"
-    ) -> None:
+    def attend(self, q: torch.Tensor, out: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:
         """out [T, H, Dv] = attention of q [T, H*D] (T > 0) over the layer's pool."""
 
 
-def save_kv(layer: "RadixAttention", forward_batch: "ForwardBatch", k: torch.Tensor, v: torch.Tensor) -> None:
+def save_kv(layer: RadixAttention, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
     """Write this forward's K/V (or MLA latent) into the pool at out_cache_loc."""
     pool = forward_batch.token_to_kv_pool
     loc = forward_batch.out_cache_loc
@@ -59,7 +57,7 @@ def save_kv(layer: "RadixAttention", forward_batch: "ForwardBatch", k: torch.Ten
         )
 
 
-def load_kv(layer: "RadixAttention", forward_batch: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
+def load_kv(layer: RadixAttention, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole K and V buffers of this layer: [slots, Hkv, D] and [slots, Hkv, Dv]."""
     pool = forward_batch.token_to_kv_pool
     if hasattr(pool, "kv_buffer"):

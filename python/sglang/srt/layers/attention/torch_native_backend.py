@@ -31,9 +31,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 continue
             slots = req_to_token[forward_batch.req_pool_indices[i], :seq]
             mask = self._mask(forward_batch, start, ext, seq, q.device)
-            out[start : start + ext] = self._attend(
-                q[start : start + ext], k_cache[slots], v_cache[slots], mask, layer
-            )
+            out[start : start + ext] = self._attend(q[start : start + ext], k_cache[slots], v_cache[slots], mask, layer)
             start += ext
 
     @staticmethod

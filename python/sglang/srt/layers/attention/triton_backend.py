@@ -89,11 +89,17 @@ class TritonAttnBackend(AttentionBackend):
         q3 = q_heads_view(q, layer.tp_q_head_num, layer.head_dim)
         k_cache, v_cache = load_kv(layer, forward_batch)
         if meta.use_decode_kernel:
-            decode_attention(
-                q3, k_cache, v_cache, out, meta.kv_indptr, meta.kv_indices, meta.num_kv_splits, layer.scaling
-            )
+            decode_attention(q3, k_cache, v_cache, out, meta.kv_indptr, meta.kv_indices, meta.num_kv_splits, layer.scaling)
         else:
             extend_attention(
-                q3, k_cache, v_cache, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
-                meta.max_extend_len, layer.scaling, forward_batch.custom_mask,
+                q3,
+                k_cache,
+                v_cache,
+                out,
+                meta.qo_indptr,
+                meta.kv_indptr,
+                meta.kv_indices,
+                meta.max_extend_len,
+                layer.scaling,
+                forward_batch.custom_mask,
             )

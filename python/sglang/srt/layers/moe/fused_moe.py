@@ -79,9 +79,7 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(
             torch.empty(slots, 2 * self.local_intermediate, hidden_size, dtype=dtype), requires_grad=False
         )
-        self.w2_weight = nn.Parameter(
-            torch.empty(slots, hidden_size, self.local_intermediate, dtype=dtype), requires_grad=False
-        )
+        self.w2_weight = nn.Parameter(torch.empty(slots, hidden_size, self.local_intermediate, dtype=dtype), requires_grad=False)
 
     def weight_loader(self, shard: str, expert_id: Optional[int], loaded: torch.Tensor) -> None:
         """Copy a full HF weight (gate_proj / up_proj / down_proj) into this rank's slice: of
