@@ -103,6 +103,12 @@ class ServerArgs:
             "While requests decode, prefill new ones only after this many decode steps (or speculative cycles) in a row since the last prefill; 1 prefills waiting requests at once. Fewer, larger prefills when requests arrive one by one, for up to that many steps more time to first token."
         ),
     )
+    enable_mixed_chunk: bool = field(
+        default=False,
+        metadata=_arg(
+            "Run the running requests' decode step in the same forward as a prefill (each running request extends by its one new token), so they keep producing tokens while new requests are prefilled. Without speculative decoding only (ignored, with a warning, under it)."
+        ),
+    )
     disable_overlap_schedule: bool = field(
         default=False,
         metadata=_arg(
@@ -363,6 +369,11 @@ class ServerArgs:
                     raise ValueError(f"{name} needs --speculative-adaptive")
         if self.speculative_algorithm is None:
             return
+        if self.enable_mixed_chunk:
+            logger.warning(
+                "--enable-mixed-chunk is ignored with --speculative-algorithm: a verify cycle does not mix with a prefill"
+            )
+            self.enable_mixed_chunk = False
         for name, value in list(spec_flags.items())[1:]:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

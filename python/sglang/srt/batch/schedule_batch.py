@@ -139,9 +139,9 @@ class ScheduleBatch:
     global_num_tokens: Optional[list[int]] = None
     # DP attention: DECODE when no DP rank extends this iteration (decode graphs may replay).
     global_forward_mode: Optional[ForwardMode] = None
-    # Decode under overlap scheduling: input_ids[future_dst[j]] = future.ids[future_src[j]], filled
-    # on the device (the host list holds placeholders there); when both are every row in order,
-    # the device input ids are a view of future.ids.
+    # Decode (or a mixed extend's decode rows) under overlap scheduling: input_ids[future_dst[j]]
+    # = future.ids[future_src[j]], filled on the device (the host list holds placeholders
+    # there); when both are every row in order, the device input ids are a view of future.ids.
     future: Optional[FutureTokens] = None
     future_dst: list[int] = field(default_factory=list)
     future_src: list[int] = field(default_factory=list)
@@ -152,6 +152,9 @@ class ScheduleBatch:
     input_logprob_rows: list[int] = field(default_factory=list)
     input_logprob_counts: list[int] = field(default_factory=list)
     input_logprob_next_ids: list[int] = field(default_factory=list)
+    # Extend with --enable-mixed-chunk: the first rows are running requests extending by their
+    # newest token (their decode step), the rest prefill.
+    mixed_decode_rows: int = 0
 
     @classmethod
     def idle(cls) -> ScheduleBatch:
@@ -159,10 +162,15 @@ class ScheduleBatch:
         return cls(ForwardMode.IDLE, [], [], [], torch.empty(0, dtype=torch.int64), [], [])
 
     @classmethod
-    def for_extend(cls, reqs: list[Req], out_cache_loc: torch.Tensor) -> ScheduleBatch:
-        """Each req extends all_ids[kv_len : kv_len + extend_len] (a retracted request re-extends its output too)."""
+    def for_extend(
+        cls, reqs: list[Req], out_cache_loc: torch.Tensor, future: Optional[FutureTokens] = None, mixed_decode_rows: int = 0
+    ) -> ScheduleBatch:
+        """Each req extends all_ids[kv_len : kv_len + extend_len] (a retracted request re-extends
+        its output too); the first mixed_decode_rows reqs are running requests extending by
+        their newest token, which, when still in flight, is taken from `future` on the device."""
         input_ids, positions, seq_lens, extend_lens, prefix_lens = [], [], [], [], []
         logprob_rows, logprob_counts, logprob_next_ids = [], [], []
+        future_dst, future_src = [], []
         for r in reqs:
             start, end = r.kv_len, r.kv_len + r.extend_len
             pending = r.pending_input_logprobs
@@ -170,7 +178,13 @@ class ScheduleBatch:
             logprob_rows += (len(input_ids) + p - start for p in wanted)
             logprob_counts.append(len(wanted))
             logprob_next_ids += r.origin_input_ids[wanted.start + 1 : wanted.stop + 1]
-            input_ids += r.all_ids[start:end]
+            ids = r.all_ids[start:end]
+            if len(ids) < end - start:  # the newest token is in flight: its value comes from the step before
+                assert future is not None and r.in_flight and end == r.full_len, "a token in flight, but no step holds it"
+                future_dst.append(len(input_ids) + len(ids))
+                future_src.append(future.index[r.rid])
+                ids.append(0)
+            input_ids += ids
             positions += range(start, end)
             seq_lens.append(end)
             extend_lens.append(r.extend_len)
@@ -178,6 +192,9 @@ class ScheduleBatch:
         batch = cls(ForwardMode.EXTEND, reqs, input_ids, positions, out_cache_loc, seq_lens, extend_lens, prefix_lens)
         batch.input_logprob_rows, batch.input_logprob_counts = logprob_rows, logprob_counts
         batch.input_logprob_next_ids = logprob_next_ids
+        batch.mixed_decode_rows = mixed_decode_rows
+        if future_dst:
+            batch.future, batch.future_dst, batch.future_src = future, future_dst, future_src
         return batch
 
     @classmethod

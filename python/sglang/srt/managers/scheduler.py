@@ -116,6 +116,7 @@ class Scheduler:
         self.chunked_req: Optional[Req] = None
         self.num_generated_since_log = 0
         self.decode_steps = 0
+        self.mixed_prefill_batches = 0  # --enable-mixed-chunk: prefills that carried running requests
         self.last_log_time = time.monotonic()
         self.last_gen_throughput = 0.0
         # Speculative decoding: tokens produced by verify steps and the number of such steps.
@@ -201,7 +202,7 @@ class Scheduler:
             len(batch.input_ids) if batch else 0,
             plan.global_num_tokens if plan else None,
             bool(self.running),
-            batch is not None and batch.mode == ForwardMode.DECODE,
+            batch is not None and (batch.mode == ForwardMode.DECODE or batch.mixed_decode_rows > 0),
         )
         previous, self.in_flight = self.in_flight, None
         if batch is not None:
@@ -385,10 +386,11 @@ class Scheduler:
     def get_prefill_batch(self) -> Optional[ScheduleBatch]:
         if self.chunked_req is None and not self.waiting:
             return None
+        mixed = self.mixable_running()
         free_slots = self.max_running_requests - len(self.running) - (1 if self.chunked_req else 0)
         adder = PrefillAdder(
-            self.server_args.max_prefill_tokens,
-            self.chunk_size,
+            self.server_args.max_prefill_tokens - len(mixed),
+            None if self.chunk_size is None else self.chunk_size - len(mixed),
             self.free_kv_tokens(),
             min(free_slots, self.req_to_token_pool.available_size()),
         )
@@ -407,8 +409,23 @@ class Scheduler:
                 self.waiting.remove(req)
                 self.kv.claim(req)
         self.chunked_req = adder.chunked_req
-        out_cache_loc = self.kv.assign(adder.reqs, [r.extend_len for r in adder.reqs])
-        return ScheduleBatch.for_extend(adder.reqs, out_cache_loc)
+        for req in mixed:
+            req.extend_len = 1
+        reqs = mixed + adder.reqs
+        out_cache_loc = self.kv.assign(reqs, [r.extend_len for r in reqs])
+        future = self.in_flight[1].future_tokens() if self.in_flight and mixed else None
+        self.mixed_prefill_batches += bool(mixed)
+        return ScheduleBatch.for_extend(reqs, out_cache_loc, future, mixed_decode_rows=len(mixed))
+
+    def mixable_running(self) -> list[Req]:
+        """--enable-mixed-chunk: the running requests whose decode step joins the prefill (as
+        for a decode batch, not one whose step in flight may be its last); none when their
+        rows would leave the prefill no token of its budget."""
+        if not self.server_args.enable_mixed_chunk:
+            return []
+        reqs = [r for r in self.running if not (r.in_flight and self.may_end_by_length(r))]
+        budget = min(self.server_args.max_prefill_tokens, self.chunk_size or self.server_args.max_prefill_tokens)
+        return reqs if len(reqs) < budget else []
 
     def get_decode_batch(self) -> Optional[ScheduleBatch]:
         need = self.worker.decode_kv_need_per_req()
@@ -607,14 +624,16 @@ class Scheduler:
         return 1.0 - self.free_kv_tokens() / self.allocator.size
 
     def log_prefill(self, batch: ScheduleBatch) -> None:
+        mixed = batch.mixed_decode_rows
         logger.info(
-            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, #running-req: %d, #queue-req: %d",
-            len(batch.reqs),
-            len(batch.input_ids),
-            sum(p for r, p in zip(batch.reqs, batch.prefix_lens) if p == r.cached_tokens),
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, #running-req: %d, #queue-req: %d%s",
+            len(batch.reqs) - mixed,
+            len(batch.input_ids) - mixed,
+            sum(p for r, p in zip(batch.reqs[mixed:], batch.prefix_lens[mixed:]) if p == r.cached_tokens),
             self.token_usage(),
             len(self.running),
             len(self.waiting),
+            f", #mixed-decode: {mixed}" if mixed else "",
         )
 
     def log_decode(self, batch: ScheduleBatch, result: GenerationResult) -> None:
@@ -682,6 +701,7 @@ class Scheduler:
             "cuda_graph_replays": sum(g.num_replays for g in self.graph_runners()),
             "cuda_graph_capture_mib": self.cuda_graph_capture_mib(),
             "prefill_wait_iterations": self.prefill_hold.total_held_iters,  # DP attention: held or without room
+            "mixed_prefill_batches": self.mixed_prefill_batches,
             **self.balance.internal_state(),
             **(self.adaptive.internal_state() if self.adaptive else {}),
         }
