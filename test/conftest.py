@@ -1,10 +1,17 @@
-"""Shared fixtures: tiny random checkpoints written once per test session."""
+"""Shared fixtures: tiny random checkpoints written once per test session. Tests only read
+these directories (a test that changes a checkpoint builds its own).
+
+Under TRITON_INTERPRET=1 the interpreter is patched for NumPy >= 2.4 here, before any test
+module is imported."""
 
 from __future__ import annotations
 
 import pytest
 
 from sglang.test.tiny_models import make_tiny_llama, make_tiny_qwen2
+from sglang.test.triton_harness import patch_interpreter_for_numpy2
+
+patch_interpreter_for_numpy2()
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

@@ -3,7 +3,6 @@ equal to eager (CUDA only)."""
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from dataclasses import replace
 from types import SimpleNamespace
@@ -30,6 +29,7 @@ from sglang.srt.model_executor.cuda_graph_runner import (
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
 from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
+from sglang.test.triton_harness import INTERPRETED, patch_interpreter_for_numpy2, rerun_under_interpreter
 
 DECODE = ForwardMode.DECODE
 PLAIN = CapturedMode(1)  # plain decode: one token per request
@@ -322,14 +322,9 @@ def test_padded_decode_batch_matches_unpadded_eager(tiny_llama_dir):
 
 
 # ---------------------------------------------------------------------- the captured work, run eagerly
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
 @pytest.mark.skipif(torch.cuda.is_available() or INTERPRETED, reason="CPU only; spawns the interpreter run")
 def test_captured_work_under_triton_interpreter():
-    """On CPU, run the tests below in a fresh TRITON_INTERPRET=1 process (see test_triton_kernels)."""
-    from test_triton_kernels import rerun_under_interpreter
-
+    """On CPU, run the tests below in a fresh TRITON_INTERPRET=1 process (see sglang.test.triton_harness)."""
     rerun_under_interpreter(__file__, "-k", "captured_work_matches", timeout=900)
 
 
@@ -337,8 +332,6 @@ def test_captured_work_under_triton_interpreter():
 def test_captured_work_matches_eager_triton(tiny_llama_dir):
     """What a graph captures (static padded inputs, metadata built from device tensors into
     the max-size kv index buffer, the model) gives eager Triton's logits on the real rows."""
-    if INTERPRETED:
-        import test_triton_kernels  # noqa: F401  (patches the interpreter for NumPy >= 2.4)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     runner = make_runner(tiny_llama_dir, device, "float32", attention_backend="triton", disable_cuda_graph=True)
     graphs = CudaGraphRunner(runner, {ModeKey(DECODE): PLAIN}, [1, 2, 4], disable_padding=False)
@@ -357,8 +350,7 @@ def test_captured_work_matches_eager_triton(tiny_llama_dir):
 def _dp_captured_work_worker(rank: int, world: int, path: str) -> None:
     """Rank 0 decodes 3 requests, rank 1 decodes 1 and then idles: both replay the batch-4
     graph's work with [4, 4] gathered rows and match eager (which gathers [3, 1] / [3, 0])."""
-    if INTERPRETED:
-        import test_triton_kernels  # noqa: F401
+    patch_interpreter_for_numpy2()  # a spawned rank: no conftest ran here
     from sglang.srt.distributed.parallel_state import initialize_model_parallel
 
     initialize_model_parallel(2, rank, dp_size=2, enable_dp_attention=True)
@@ -517,7 +509,6 @@ def _spec_greedy(
     port_args=None,
     return_logprob: bool = False,
 ) -> tuple[list[list[int]], float]:
-    import test_triton_kernels  # noqa: F401  (patches the interpreter for NumPy >= 2.4)
     from sglang.test.inprocess_scheduler import greedy, start_scheduler
 
     if graphs:
@@ -598,6 +589,7 @@ def test_captured_work_matches_eager_adaptive(tmp_path):
 
 
 def _dp_spec_worker(rank: int, args: ServerArgs, port_args, results) -> None:
+    patch_interpreter_for_numpy2()  # a spawned rank: no conftest ran here
     torch.set_num_threads(1)
     # DP rank 0 decodes three requests; DP rank 1 one short request, then idles through the
     # other rank's cycles: rank 0 replays each cycle as one graph while rank 1 replays the
@@ -628,6 +620,7 @@ def test_captured_work_matches_eager_spec_dp_attention(perfect_dsv3_dir):
 
 
 def _dp_adaptive_worker(rank: int, args: ServerArgs, port_args, results) -> None:
+    patch_interpreter_for_numpy2()  # a spawned rank: no conftest ran here
     torch.set_num_threads(1)
     # As _dp_spec_worker: rank 1's one request ends early, then it idles through rank 0's cycles.
     prompts, max_new = (SPEC_PROMPTS, [16, 4, 7]) if rank == 0 else ([[30, 31, 32, 33]], [3])
