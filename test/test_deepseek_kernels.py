@@ -165,15 +165,14 @@ def test_mla_rope_pack_stores_k_into_the_pool_rows(num_tokens, pool_dtype):
 
 
 @kernel_test
-def test_deepseek_with_the_latent_stored_by_rope_matches_plain(tmp_path):
+def test_deepseek_with_the_latent_stored_by_rope_matches_plain(tiny_deepseek_v3_no_mtp_dir):
     """A tiny DeepSeek-V3 whose rope kernel stores the latent into the pool (attention gets no
     k/v) gives the logits and greedy tokens of the plain path (rope, then the pool's store)."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_loader.loader import get_model
     from sglang.test.model_harness import ModelHarness
-    from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
 
-    config = ModelConfig(make_tiny_deepseek_v3(str(tmp_path), with_mtp=False), dtype="float32", device=DEVICE)
+    config = ModelConfig(tiny_deepseek_v3_no_mtp_dir, dtype="float32", device=DEVICE)
     model = get_model(config, "auto", DEVICE)
     prompts = [[5, 17, 42, 7, 99], [3], [11, 12, 13, 200, 201, 202]]
 
@@ -238,7 +237,7 @@ def test_add_norm_router_logits_equal_the_norm_then_the_router(shape, num_tokens
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="PDL and the fused router run on CUDA only")
-def test_deepseek_with_pdl_and_the_fused_router_matches_without(tmp_path, monkeypatch):
+def test_deepseek_with_pdl_and_the_fused_router_matches_without(tiny_deepseek_v3_no_mtp_dir, monkeypatch):
     """A tiny DeepSeek-V3 on CUDA with its kernels launched early (PDL) and the MoE's add and
     norm in the router's launch gives the logits and greedy tokens of the same model with
     neither (SGLANG_DISABLE_PDL, then the norm and the router in turn)."""
@@ -246,9 +245,8 @@ def test_deepseek_with_pdl_and_the_fused_router_matches_without(tmp_path, monkey
     from sglang.srt.kernels import launch
     from sglang.srt.model_loader.loader import get_model
     from sglang.test.model_harness import ModelHarness
-    from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
 
-    config = ModelConfig(make_tiny_deepseek_v3(str(tmp_path), with_mtp=False), dtype="float32", device=DEVICE)
+    config = ModelConfig(tiny_deepseek_v3_no_mtp_dir, dtype="float32", device=DEVICE)
     model = get_model(config, "auto", DEVICE)
     prompts = [[5, 17, 42, 7, 99], [3], [11, 12, 13, 200, 201, 202]]
 
