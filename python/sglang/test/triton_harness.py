@@ -34,7 +34,10 @@ def rerun_under_interpreter(path: str, *pytest_args: str, timeout: int = 1800) -
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", path, *pytest_args],
-        env=env, capture_output=True, text=True, timeout=timeout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
 
