@@ -14,14 +14,8 @@ from sglang.srt.managers.accept_check import AcceptCheckFailed, PassResult, judg
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.test.inprocess_scheduler import greedy, start_scheduler
-from sglang.test.spec_models import make_perfect_deepseek_v3
 
 CHAIN = {"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
-
-
-@pytest.fixture(scope="module")
-def perfect_v3(tmp_path_factory) -> str:
-    return make_perfect_deepseek_v3(str(tmp_path_factory.mktemp("accept_check") / "v3"))
 
 
 def _args(target: str) -> ServerArgs:
@@ -30,9 +24,9 @@ def _args(target: str) -> ServerArgs:
     )
 
 
-def test_perfect_draft_logs_every_draft_accepted_and_serves_after(perfect_v3, caplog):
+def test_perfect_draft_logs_every_draft_accepted_and_serves_after(perfect_deepseek_v3_dir, caplog):
     caplog.set_level(logging.INFO, logger=accept_check.__name__)
-    scheduler = start_scheduler(_args(perfect_v3))
+    scheduler = start_scheduler(_args(perfect_deepseek_v3_dir))
     lines = [r.getMessage() for r in caplog.records if r.name == accept_check.__name__]
     assert lines == ["Speculative accept check: DP0 eager: accept length 4.00, outputs match the non-speculative path"]
     # Serving starts from an empty pool and zero statistics, then works as without the check.
@@ -42,7 +36,7 @@ def test_perfect_draft_logs_every_draft_accepted_and_serves_after(perfect_v3, ca
     assert scheduler.avg_spec_accept_length() == CHAIN["speculative_num_steps"] + 1
 
 
-def test_outputs_that_differ_fail_startup_loudly(perfect_v3, monkeypatch):
+def test_outputs_that_differ_fail_startup_loudly(perfect_deepseek_v3_dir, monkeypatch):
     """The speculative pass's outputs are forced to differ from the plain pass's in one token."""
     run_pass, calls = accept_check._run_pass, []
 
@@ -55,7 +49,7 @@ def test_outputs_that_differ_fail_startup_loudly(perfect_v3, monkeypatch):
 
     monkeypatch.setattr(accept_check, "_run_pass", spec_pass_off_by_one)
     with pytest.raises(AcceptCheckFailed, match="--speculative-accept-check failed: DP0 eager: accept length 4.00, outputs DIFFER FROM"):
-        start_scheduler(_args(perfect_v3))
+        start_scheduler(_args(perfect_deepseek_v3_dir))
 
 
 def test_judge_names_a_mismatch_and_a_rank_that_trails():
@@ -102,8 +96,8 @@ def _run_dp_ranks(target: str, rank_1_accept: Optional[float] = None) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_every_dp_rank_is_checked_under_dp_attention(perfect_v3):
-    results = _run_dp_ranks(perfect_v3)
+def test_every_dp_rank_is_checked_under_dp_attention(perfect_deepseek_v3_dir):
+    results = _run_dp_ranks(perfect_deepseek_v3_dir)
     assert results[0] == (
         "started",
         [
@@ -115,19 +109,19 @@ def test_every_dp_rank_is_checked_under_dp_attention(perfect_v3):
 
 
 @pytest.mark.timeout(300)
-def test_a_dp_rank_that_trails_fails_startup_on_every_rank(perfect_v3):
-    results = _run_dp_ranks(perfect_v3, rank_1_accept=2.5)
+def test_a_dp_rank_that_trails_fails_startup_on_every_rank(perfect_deepseek_v3_dir):
+    results = _run_dp_ranks(perfect_deepseek_v3_dir, rank_1_accept=2.5)
     message = "--speculative-accept-check failed: DP1 eager: accept length 2.50 is more than 0.5 below the best rank's 4.00"
     assert results == {0: ("failed", message), 1: ("failed", message)}
 
 
-def test_adaptive_tiers_pass_the_check_and_start_afresh(perfect_v3, caplog):
+def test_adaptive_tiers_pass_the_check_and_start_afresh(perfect_deepseek_v3_dir, caplog):
     """--speculative-adaptive with tiers forced to change: the check's passes (the plain one
     included, which has no verify cycles) leave serving at the starting tier with no usage."""
     caplog.set_level(logging.INFO, logger=accept_check.__name__)
     args = ServerArgs(
-        model_path=perfect_v3, device="cpu", dtype="float32", speculative_algorithm="NEXTN", speculative_accept_check=True,
-        speculative_adaptive=True, speculative_adaptive_schedule="5:1,1:2",
+        model_path=perfect_deepseek_v3_dir, device="cpu", dtype="float32", speculative_algorithm="NEXTN",
+        speculative_accept_check=True, speculative_adaptive=True, speculative_adaptive_schedule="5:1,1:2",
     )
     scheduler = start_scheduler(args)
     lines = [r.getMessage() for r in caplog.records if r.name == accept_check.__name__]

@@ -29,7 +29,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import sglang as sgl
 from sglang import bench_one_batch, bench_serving
 from sglang.test.server_utils import kill_server, popen_launch_server
-from sglang.test.tiny_models import make_tiny_llama
 from sglang.tools import train_tiny_models
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,10 +47,9 @@ def _load_script(relpath: str):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("trained")
-    llama = make_tiny_llama(str(root / "llama"))
-    out = str(root / "out")
+def trained(tiny_llama_unsharded_dir, tmp_path_factory) -> dict[str, str]:
+    llama = tiny_llama_unsharded_dir
+    out = str(tmp_path_factory.mktemp("trained") / "out")
     train_tiny_models.main(
         ["--out", out, "--device", "cpu", "--max-steps", "2", "--shape", "tiny", "--vocab-size", "320",
          "--seq-len", "32", "--batch-size", "2", "--max-files", "20", "--eagle-target", llama]
@@ -102,11 +100,11 @@ def test_trained_deepseek_nextn_matches_transformers_greedy(trained):
     assert out["meta_info"]["spec_verify_ct"] >= 1 and 1.0 <= accept <= 4.0
 
 
-def test_draft_loss_falls_when_training_a_head(tmp_path):
+def test_draft_loss_falls_when_training_a_head(tiny_llama_unsharded_dir):
     """A few steps on one batch must lower the distillation loss (the loss trains the head)."""
     from sglang.tools.draft_heads import EagleHead, draft_loss
 
-    target = AutoModelForCausalLM.from_pretrained(make_tiny_llama(str(tmp_path / "t")), dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama_unsharded_dir, dtype=torch.float32).eval()
     torch.manual_seed(0)
     head = EagleHead(target.config)
     ids = torch.randint(0, target.config.vocab_size, (2, 24))

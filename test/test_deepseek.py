@@ -53,13 +53,11 @@ def v2(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def v3(tmp_path_factory) -> str:
-    return make_tiny_deepseek_v3(str(tmp_path_factory.mktemp("v3")))
-
-
-@pytest.fixture(scope="module")
 def v3_yarn(tmp_path_factory) -> str:
     return make_tiny_deepseek_v3(str(tmp_path_factory.mktemp("v3_yarn")), seed=1, yarn=True)
+
+
+V3 = pytest.param("tiny_deepseek_v3_dir", id="v3")  # a checkpoint fixture as a parameter, under a short id
 
 
 def _load(path: str, architectures=None, load_format: str = "auto", dtype: str = "float32", **overrides):
@@ -75,7 +73,7 @@ def _prompts(vocab_size: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]
 # ---- targets vs transformers -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["v2", "v3", "v3_yarn"])
+@pytest.mark.parametrize("name", ["v2", V3, "v3_yarn"])
 def test_target_matches_transformers(name, request):
     path = request.getfixturevalue(name)
     mc, model = _load(path)
@@ -274,7 +272,7 @@ def _draft_inputs(mc: ModelConfig) -> tuple[list[list[int]], list[torch.Tensor]]
     return seqs, [torch.randn(len(s), mc.hidden_size, generator=gen) for s in seqs]
 
 
-@pytest.mark.parametrize("name", ["v3", "v3_yarn"])
+@pytest.mark.parametrize("name", [V3, "v3_yarn"])
 def test_nextn_matches_reference(name, request):
     path = request.getfixturevalue(name)
     mc, draft = _load(path, architectures=NEXTN)
@@ -285,9 +283,9 @@ def test_nextn_matches_reference(name, request):
         torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
 
 
-def test_nextn_shares_target_embed_and_head(v3):
-    mc, target = _load(v3)
-    _, draft = _load(v3, architectures=NEXTN)
+def test_nextn_shares_target_embed_and_head(tiny_deepseek_v3_dir):
+    mc, target = _load(tiny_deepseek_v3_dir)
+    _, draft = _load(tiny_deepseek_v3_dir, architectures=NEXTN)
     seqs, hiddens = _draft_inputs(mc)
     before = _run_draft(_draft_harness(draft, mc), seqs, hiddens, chunk=16)
     draft.set_embed_and_head(*target.get_embed_and_head())
@@ -298,14 +296,14 @@ def test_nextn_shares_target_embed_and_head(v3):
         assert torch.equal(lg0, lg1) and torch.equal(hs0, hs1)
 
 
-def test_export_round_trip(v3, tmp_path):
+def test_export_round_trip(tiny_deepseek_v3_dir, tmp_path):
     out = str(tmp_path / "nextn")
-    export_main(["--input", v3, "--output", out])
+    export_main(["--input", tiny_deepseek_v3_dir, "--output", out])
     with open(os.path.join(out, "config.json")) as f:
         config = json.load(f)
     assert config["architectures"] == NEXTN and config["num_hidden_layers"] == 1
     assert os.path.exists(os.path.join(out, "tokenizer.json"))
-    mc, in_ckpt = _load(v3, architectures=NEXTN)
+    mc, in_ckpt = _load(tiny_deepseek_v3_dir, architectures=NEXTN)
     mc_exported, exported = _load(out)
     state, exported_state = in_ckpt.state_dict(), exported.state_dict()
     assert state.keys() == exported_state.keys()

@@ -12,8 +12,8 @@
 - MLA decode attention at the real widths (576 / 512, the finer split) equals the torch backend.
 - On CUDA, a tiny DeepSeek-V3 with PDL launches and the fused router equals itself without them.
 
-Kernels run compiled on CUDA, or under Triton's CPU interpreter in a subprocess (as in
-test_triton_kernels); without triton the kernel tests are skipped.
+Kernels run compiled on CUDA, or under Triton's CPU interpreter in a subprocess (see
+sglang.test.triton_harness); without triton the kernel tests are skipped.
 """
 
 from __future__ import annotations
@@ -26,26 +26,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import triton  # noqa: E402,F401  (a test dependency: never skipped when missing)
+import triton  # noqa: F401  (a test dependency: never skipped when missing)
 
-from test_triton_kernels import (  # noqa: E402  (patches the interpreter for NumPy >= 2.4)
+from sglang.srt.kernels.moe.routing_config import RoutingConfig
+from sglang.srt.kernels.moe.tiles import GemmTile, MoeKernelConfig
+from sglang.srt.layers.deepseek_rotary import mla_rope_pack
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.moe.fused_moe import moe_forward_native
+from sglang.srt.layers.moe.topk import select_experts
+from sglang.srt.layers.rotary_embedding import DeepseekScalingRotaryEmbedding, RotaryEmbedding, yarn_inv_freq
+from sglang.test.attention_batches import AttnShape
+from sglang.test.triton_harness import (
+    DEVICE,
     NEEDS_SUBPROCESS,
     ON_CUDA,
-    _compare,
+    compare_attention_with_torch_native,
     kernel_test,
     rerun_under_interpreter,
 )
 
-from sglang.srt.kernels.moe.routing_config import RoutingConfig  # noqa: E402
-from sglang.srt.kernels.moe.tiles import GemmTile, MoeKernelConfig  # noqa: E402
-from sglang.srt.layers.deepseek_rotary import mla_rope_pack  # noqa: E402
-from sglang.srt.layers.layernorm import RMSNorm  # noqa: E402
-from sglang.srt.layers.moe.fused_moe import moe_forward_native  # noqa: E402
-from sglang.srt.layers.moe.topk import select_experts  # noqa: E402
-from sglang.srt.layers.rotary_embedding import DeepseekScalingRotaryEmbedding, RotaryEmbedding, yarn_inv_freq  # noqa: E402
-from sglang.test.attention_batches import AttnShape  # noqa: E402
-
-DEVICE = "cuda" if ON_CUDA else "cpu"
 DTYPES = [torch.bfloat16, torch.float32] if ON_CUDA else [torch.float32]
 YARN = dict(scaling_factor=40.0, mscale=0.707, mscale_all_dim=0.5, beta_fast=32, beta_slow=1)
 
@@ -166,15 +165,14 @@ def test_mla_rope_pack_stores_k_into_the_pool_rows(num_tokens, pool_dtype):
 
 
 @kernel_test
-def test_deepseek_with_the_latent_stored_by_rope_matches_plain(tmp_path):
+def test_deepseek_with_the_latent_stored_by_rope_matches_plain(tiny_deepseek_v3_no_mtp_dir):
     """A tiny DeepSeek-V3 whose rope kernel stores the latent into the pool (attention gets no
     k/v) gives the logits and greedy tokens of the plain path (rope, then the pool's store)."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_loader.loader import get_model
     from sglang.test.model_harness import ModelHarness
-    from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
 
-    config = ModelConfig(make_tiny_deepseek_v3(str(tmp_path), with_mtp=False), dtype="float32", device=DEVICE)
+    config = ModelConfig(tiny_deepseek_v3_no_mtp_dir, dtype="float32", device=DEVICE)
     model = get_model(config, "auto", DEVICE)
     prompts = [[5, 17, 42, 7, 99], [3], [11, 12, 13, 200, 201, 202]]
 
@@ -239,7 +237,7 @@ def test_add_norm_router_logits_equal_the_norm_then_the_router(shape, num_tokens
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="PDL and the fused router run on CUDA only")
-def test_deepseek_with_pdl_and_the_fused_router_matches_without(tmp_path, monkeypatch):
+def test_deepseek_with_pdl_and_the_fused_router_matches_without(tiny_deepseek_v3_no_mtp_dir, monkeypatch):
     """A tiny DeepSeek-V3 on CUDA with its kernels launched early (PDL) and the MoE's add and
     norm in the router's launch gives the logits and greedy tokens of the same model with
     neither (SGLANG_DISABLE_PDL, then the norm and the router in turn)."""
@@ -247,9 +245,8 @@ def test_deepseek_with_pdl_and_the_fused_router_matches_without(tmp_path, monkey
     from sglang.srt.kernels import launch
     from sglang.srt.model_loader.loader import get_model
     from sglang.test.model_harness import ModelHarness
-    from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
 
-    config = ModelConfig(make_tiny_deepseek_v3(str(tmp_path), with_mtp=False), dtype="float32", device=DEVICE)
+    config = ModelConfig(tiny_deepseek_v3_no_mtp_dir, dtype="float32", device=DEVICE)
     model = get_model(config, "auto", DEVICE)
     prompts = [[5, 17, 42, 7, 99], [3], [11, 12, 13, 200, 201, 202]]
 
@@ -341,7 +338,7 @@ def _check_fused_moe_with_shared(routing, num_tokens, config, dtype, hidden, int
 @kernel_test
 def test_wide_mla_decode_matches_torch_native():
     """576 / 512 channels: 32-token blocks, two splits per 64-token unit (up to the 16 cap)."""
-    fb = _compare(AttnShape(16, 1, 576, 512, mla=True), [1] * 5, [0, 40, 130, 300, 700], DTYPES[0])
+    fb = compare_attention_with_torch_native(AttnShape(16, 1, 576, 512, mla=True), [1] * 5, [0, 40, 130, 300, 700], DTYPES[0])
     assert fb.attn_backend.metadata.num_kv_splits.tolist() == [1, 1, 3, 5, 11]
 
 

@@ -4,7 +4,7 @@ SiLU-and-mul, RoPE), the KV-cache store and the greedy argmax (step_ops).
 The reference is the plain path on CPU (a layer's `forward_native`, the CPU pool's index_put,
 torch.argmax); the kernel runs on DEVICE, reached through the caller's own dispatch on CUDA
 (compiled, fp32 and bf16) and called directly under Triton's CPU interpreter (float32 math,
-small shapes, in a subprocess as in test_triton_kernels). Without triton the module is skipped.
+small shapes, in a subprocess, see sglang.test.triton_harness). Without triton the module is skipped.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from unittest import mock
 
 import pytest
 import torch
-from test_triton_kernels import NEEDS_SUBPROCESS, ON_CUDA, kernel_test, rerun_under_interpreter  # patches the interpreter for NumPy >= 2.4
 
 from sglang.srt.kernels.step_ops import argmax, store_kv
 from sglang.srt.layers.activation import SiluAndMul
@@ -25,8 +24,8 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.sampling.sampler import NAN_TOKEN_ID, Sampler, SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.utils.heads import as_heads
+from sglang.test.triton_harness import DEVICE, NEEDS_SUBPROCESS, ON_CUDA, kernel_test, rerun_under_interpreter
 
-DEVICE = "cuda" if ON_CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if ON_CUDA else [torch.float32]
 # bf16: the reference rounds intermediates (RoPE rounds cos/sin and every product) where the kernel does not.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

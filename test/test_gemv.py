@@ -3,7 +3,7 @@ SiluAndMul it replaces, the dispatch table, and a tiny Llama run with every GEMV
 and the rope + KV-store kernel forced on against the plain layers.
 
 Compiled on CUDA (fp32, bf16); on CPU under Triton's interpreter (float32, small shapes, in a
-subprocess as in test_triton_kernels). Without triton the module is skipped.
+subprocess, see sglang.test.triton_harness). Without triton the module is skipped.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from test_triton_kernels import NEEDS_SUBPROCESS, ON_CUDA, kernel_test, rerun_under_interpreter  # patches the interpreter for NumPy >= 2.4
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.kernels import gemv as gemv_module
@@ -24,8 +23,8 @@ from sglang.srt.layers.linear import stack_rows
 from sglang.srt.model_loader import get_model
 from sglang.test.model_harness import ModelHarness
 from sglang.test.tiny_models import make_tiny_llama
+from sglang.test.triton_harness import DEVICE, NEEDS_SUBPROCESS, ON_CUDA, kernel_test, rerun_under_interpreter
 
-DEVICE = "cuda" if ON_CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if ON_CUDA else [torch.float32]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 

@@ -67,16 +67,13 @@ def _reads_outside_reference_attention(c: SyncCounter) -> int:
 
 @pytest.mark.parametrize("batch_size", [1, 4])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_greedy_speculative_decode_cycle_reads_the_device_once(tiny_llama_dir, tmp_path, batch_size, overlap):
+def test_greedy_speculative_decode_cycle_reads_the_device_once(tiny_llama_dir, tiny_llama_eagle_head_dir, batch_size, overlap):
     """Reads: one tensor of accept lengths, kept nodes and emitted tokens, after the cycle's
     last forward (one wait on a GPU; with overlap scheduling, after the next cycle is queued).
     Uploads, whatever the batch size: the table rows, the draft loop's scratch and the
     verify's slots into the table; and the allocator's host copies of the slots it frees."""
-    from sglang.test.spec_models import make_eagle_head
-
-    head = make_eagle_head(tiny_llama_dir, str(tmp_path / "head"))
     spec = dict(
-        speculative_algorithm="EAGLE", speculative_draft_model_path=head, speculative_num_steps=3,
+        speculative_algorithm="EAGLE", speculative_draft_model_path=tiny_llama_eagle_head_dir, speculative_num_steps=3,
         speculative_eagle_topk=2, speculative_num_draft_tokens=4,
     )
     args = _args(tiny_llama_dir, disable_overlap_schedule=not overlap, **spec)

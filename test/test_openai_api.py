@@ -14,10 +14,10 @@ import openai
 import pytest
 import requests
 import torch
-from test_input_logprobs import check_input_logprobs, reference_logprobs
 from transformers import AutoTokenizer
 
 from sglang.srt.utils.process import descendant_pids
+from sglang.test.prompt_logprobs import check_input_logprobs, reference_logprobs
 from sglang.test.server_utils import kill_server, popen_launch_server, wait_until_gone
 
 API_KEY = "test-key"

@@ -28,21 +28,17 @@ def _eagle(head: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def perfect_pair(tmp_path_factory) -> tuple[str, dict]:
+def perfect_pair(perfect_llama_pair) -> tuple[str, dict]:
     """A target and an EAGLE head that reproduces it: every draft is accepted (cycles of 4
     tokens), but the target's attention output is zero, so wrong KV would go unnoticed."""
-    from sglang.test.spec_models import make_perfect_llama_pair
-
-    target, head = make_perfect_llama_pair(str(tmp_path_factory.mktemp("overlap_perfect")))
+    target, head = perfect_llama_pair
     return target, _eagle(head)
 
 
 @pytest.fixture(scope="module")
-def random_pair(tiny_llama_dir, tmp_path_factory) -> tuple[str, dict]:
+def random_pair(tiny_llama_dir, tiny_llama_eagle_head_dir) -> tuple[str, dict]:
     """A random head for the tiny Llama: few drafts accepted, every token depends on the KV."""
-    from sglang.test.spec_models import make_eagle_head
-
-    return tiny_llama_dir, _eagle(make_eagle_head(tiny_llama_dir, str(tmp_path_factory.mktemp("overlap_head"))))
+    return tiny_llama_dir, _eagle(tiny_llama_eagle_head_dir)
 
 
 @pytest.fixture(params=["perfect_pair", "random_pair"])

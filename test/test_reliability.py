@@ -103,13 +103,8 @@ MALFORMED = [
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> str:
-    return make_tiny_llama(str(tmp_path_factory.mktemp("rel_llama")))
-
-
-@pytest.fixture(scope="module")
-def server(llama_dir):
-    proc = popen_launch_server(llama_dir, BASE_ARGS + ["--enable-metrics", "--log-requests"])
+def server(tiny_llama_unsharded_dir):
+    proc = popen_launch_server(tiny_llama_unsharded_dir, BASE_ARGS + ["--enable-metrics", "--log-requests"])
     yield proc
     kill_server(proc)
 
@@ -215,17 +210,10 @@ def test_metrics_after_requests(server):
 
 
 # ---------------------------------------------------------------------- other servers
-@pytest.fixture(scope="module")
-def deepseek_dir(tmp_path_factory) -> str:
-    from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
-
-    return make_tiny_deepseek_v3(str(tmp_path_factory.mktemp("rel_dsv3")))
-
-
-def test_load_speculative_nextn(deepseek_dir):
+def test_load_speculative_nextn(tiny_deepseek_v3_dir):
     args = BASE_ARGS + ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
                         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3", "--enable-metrics"]
-    proc = popen_launch_server(deepseek_dir, args)
+    proc = popen_launch_server(tiny_deepseek_v3_dir, args)
     try:
         _load_test(proc, 200)
         metrics = requests.get(proc.base_url + "/metrics", timeout=60).text
@@ -234,9 +222,9 @@ def test_load_speculative_nextn(deepseek_dir):
         kill_server(proc)
 
 
-def test_load_dp_attention(llama_dir):
+def test_load_dp_attention(tiny_llama_unsharded_dir):
     args = BASE_ARGS + ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]
-    proc = popen_launch_server(llama_dir, args)
+    proc = popen_launch_server(tiny_llama_unsharded_dir, args)
     try:
         _load_test(proc, 200)
         states = requests.get(proc.base_url + "/get_server_info", timeout=60).json()["internal_states"]
@@ -245,10 +233,10 @@ def test_load_dp_attention(llama_dir):
         kill_server(proc)
 
 
-def test_killed_scheduler_makes_the_server_exit(llama_dir):
+def test_killed_scheduler_makes_the_server_exit(tiny_llama_unsharded_dir):
     watchdog = 10
-    proc = popen_launch_server(llama_dir, BASE_ARGS + ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
-                                                        "--watchdog-timeout", str(watchdog)])
+    args = BASE_ARGS + ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--watchdog-timeout", str(watchdog)]
+    proc = popen_launch_server(tiny_llama_unsharded_dir, args)
     try:
         children = descendant_pids(proc.pid)
         states = requests.get(proc.base_url + "/get_server_info", timeout=60).json()["internal_states"]

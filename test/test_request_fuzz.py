@@ -20,7 +20,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sglang.test.server_utils import kill_server, popen_launch_server
-from sglang.test.tiny_models import make_tiny_llama
 
 MODEL = "tiny"
 VOCAB = 384  # make_tiny_llama's
@@ -193,10 +192,9 @@ def send(base_url: str, request: tuple) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    llama = make_tiny_llama(str(tmp_path_factory.mktemp("fuzz_llama")))
+def server(tiny_llama_unsharded_dir, tmp_path_factory):
     os.environ["SGLANG_TORCH_PROFILER_DIR"] = str(tmp_path_factory.mktemp("fuzz_profiles"))
-    proc = popen_launch_server(llama, SERVER_ARGS)
+    proc = popen_launch_server(tiny_llama_unsharded_dir, SERVER_ARGS)
     yield proc
     kill_server(proc)
 

@@ -25,8 +25,6 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 from sglang.test.inprocess_scheduler import start_scheduler
 from sglang.test.server_utils import kill_server, popen_launch_server
-from sglang.test.spec_models import make_eagle_head
-from sglang.test.tiny_models import make_tiny_llama
 
 MODEL = "tiny"
 CONTEXT_LEN = 128
@@ -40,14 +38,9 @@ _CMPL = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> str:
-    return make_tiny_llama(str(tmp_path_factory.mktemp("robust_llama")))
-
-
-@pytest.fixture(scope="module")
-def server(llama_dir, tmp_path_factory):
+def server(tiny_llama_unsharded_dir, tmp_path_factory):
     os.environ["SGLANG_TORCH_PROFILER_DIR"] = str(tmp_path_factory.mktemp("profiles"))
-    proc = popen_launch_server(llama_dir, SERVER_ARGS)
+    proc = popen_launch_server(tiny_llama_unsharded_dir, SERVER_ARGS)
     yield proc
     kill_server(proc)
 
@@ -221,11 +214,11 @@ class _ReplyStub:
         self.replies.append(msg)
 
 
-def test_scheduler_refuses_a_bad_request_alone(llama_dir):
+def test_scheduler_refuses_a_bad_request_alone(tiny_llama_unsharded_dir):
     """Requests that skipped the TokenizerManager's checks (NaN temperature, a seed torch
     rejects, a token id outside the vocabulary, a bad logit_bias) and a profile request with
     options of the wrong type fail alone; the good request next to them finishes."""
-    scheduler = start_scheduler(ServerArgs(model_path=llama_dir, device="cpu"))
+    scheduler = start_scheduler(ServerArgs(model_path=tiny_llama_unsharded_dir, device="cpu"))
     scheduler.send_to_detokenizer = out = _DetokenizerStub()
     scheduler.send_to_tokenizer = replies = _ReplyStub()
     bad = {
@@ -274,18 +267,11 @@ def test_logit_bias_validation():
         SamplingParams.from_dict({"logit_bias": {"100": 1}}).verify(100)
 
 
-@pytest.fixture(scope="module")
-def eagle_pair(tmp_path_factory) -> tuple[str, str]:
-    root = tmp_path_factory.mktemp("bias_eagle")
-    target = make_tiny_llama(str(root / "target"))
-    return target, make_eagle_head(target, str(root / "head"))
-
-
-def test_logit_bias_on_plain_and_speculative_paths(eagle_pair):
+def test_logit_bias_on_plain_and_speculative_paths(tiny_llama_unsharded_eagle_pair):
     """Greedy with a bias gives the same tokens with and without EAGLE (verification applies
     the bias to every tree node), tokens that differ from the unbiased ones; a +100 bias
     makes its token the only one."""
-    target, head = eagle_pair
+    target, head = tiny_llama_unsharded_eagle_pair
     prompts = [[5, 17, 42, 99, 7], [8, 9, 10], [100, 101, 102, 103]]
     base = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 
@@ -313,8 +299,8 @@ def test_openai_logit_bias(server):
 
 
 # ---------------------------------------------------------------------- 8: /health
-def test_health_and_probes_need_no_key_and_info_hides_it(llama_dir):
-    proc = popen_launch_server(llama_dir, SERVER_ARGS, api_key="sekret-key")
+def test_health_and_probes_need_no_key_and_info_hides_it(tiny_llama_unsharded_dir):
+    proc = popen_launch_server(tiny_llama_unsharded_dir, SERVER_ARGS, api_key="sekret-key")
     try:
         for path in ("/health", "/health_generate", "/metrics"):
             assert requests.get(proc.base_url + path, timeout=60).status_code == 200, path

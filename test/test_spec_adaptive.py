@@ -47,8 +47,6 @@ from sglang.srt.speculative.adaptive import (
 from sglang.test.inprocess_scheduler import greedy, start_scheduler
 from sglang.test.model_harness import ModelHarness
 from sglang.test.server_utils import kill_server, popen_launch_server
-from sglang.test.spec_models import make_perfect_deepseek_v3
-from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
 
 TIERS = (1, 3, 5)
 # Tier changes every two or three cycles, through the lowest tier and back.
@@ -169,12 +167,6 @@ def test_fixed_schedule_counts_decode_cycles_only():
 # ---- one rank --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def partial_draft(tmp_path_factory) -> str:
-    """A DeepSeek-V3 whose MTP layer agrees with it on part of the tokens (accept ~2.5 of 4 at 3 steps)."""
-    return make_perfect_deepseek_v3(str(tmp_path_factory.mktemp("partial_v3")), draft_noise=0.04)
-
-
 def _reference(path: str, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
     """Single-rank, non-speculative greedy tokens."""
     initialize_model_parallel(1, 0)
@@ -212,9 +204,11 @@ def _draft_and_target_kv(scheduler, req, length: int) -> list[torch.Tensor]:
     return [layer[slots] for pool in pools for layer in pool.kv_buffer]
 
 
-def test_forced_tier_changes_keep_tokens_and_kv(partial_draft):
-    reference = _reference(partial_draft, PROMPTS, MAX_NEW)
-    scheduler = start_scheduler(_adaptive_args(partial_draft, speculative_adaptive_schedule=SCHEDULE, disable_radix_cache=True))
+def test_forced_tier_changes_keep_tokens_and_kv(partial_deepseek_v3_dir):
+    reference = _reference(partial_deepseek_v3_dir, PROMPTS, MAX_NEW)
+    scheduler = start_scheduler(
+        _adaptive_args(partial_deepseek_v3_dir, speculative_adaptive_schedule=SCHEDULE, disable_radix_cache=True)
+    )
     cycles = _record_cycles(scheduler)
     assert greedy(scheduler, PROMPTS, MAX_NEW) == reference
     tiers = [steps for steps, _ in cycles]
@@ -248,10 +242,10 @@ def test_forced_tier_changes_keep_tokens_and_kv(partial_draft):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_exact_draft_accepts_every_draft_at_every_tier(tmp_path):
+def test_exact_draft_accepts_every_draft_at_every_tier(perfect_deepseek_v3_dir):
     """Right after the lowest tier, a tier accepts steps + 1 again: what a run that never left
     it accepts (the exact draft's guesses and hidden states survive the tier changes)."""
-    target = make_perfect_deepseek_v3(str(tmp_path / "perfect"))
+    target = perfect_deepseek_v3_dir
     # Short stays: the exact draft's long cycles end the requests within a few periods.
     scheduler = start_scheduler(_adaptive_args(target, speculative_adaptive_schedule="3:1,1:2,5:1,1:1"))
     cycles = _record_cycles(scheduler)
@@ -265,18 +259,13 @@ def test_exact_draft_accepts_every_draft_at_every_tier(tmp_path):
 # ---- DP attention ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def deepseek(tmp_path_factory) -> str:
-    return make_tiny_deepseek_v3(str(tmp_path_factory.mktemp("adaptive_v3")))
-
-
-def test_dp_attention_http_forced_tiers(deepseek):
-    reference = _reference(deepseek, PROMPTS, MAX_NEW)
+def test_dp_attention_http_forced_tiers(tiny_deepseek_v3_dir):
+    reference = _reference(tiny_deepseek_v3_dir, PROMPTS, MAX_NEW)
     args = ["--device", "cpu", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--speculative-algo", "NEXTN"]
     args += ["--speculative-adaptive", "--speculative-adaptive-steps", "1,3,5", "--speculative-num-steps", "3"]
     args += ["--speculative-adaptive-schedule", SCHEDULE, "--load-balance-method", "round_robin"]
     args += ["--debug-collectives", "--decode-log-interval", "1", "--enable-metrics", "--chunked-prefill-size", "8"]
-    server = popen_launch_server(deepseek, args)
+    server = popen_launch_server(tiny_deepseek_v3_dir, args)
     try:
         body = {
             "input_ids": PROMPTS,
@@ -327,17 +316,17 @@ def _decide_main(rank: int, server_args: ServerArgs, port_args: PortArgs, prompt
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("parallel", ["dp_attention", "tp"])
-def test_ranks_decide_alike(partial_draft, parallel):
+def test_ranks_decide_alike(partial_deepseek_v3_dir, parallel):
     """The decision itself (its dwell shortened so that it moves within a short run), from the
     largest tier: under DP attention from both ranks' figures in the plan, under TP alone from
     each rank's own window (the same requests, the same acceptance). Both ranks take the same
     tier at every iteration (--debug-collectives also compares what their collectives moved),
     it moves, and the tokens equal the reference."""
     dp = dict(dp_size=2, enable_dp_attention=True) if parallel == "dp_attention" else {}
-    server_args = _adaptive_args(partial_draft, start=5, tp_size=2, debug_collectives=True, **dp)
+    server_args = _adaptive_args(partial_deepseek_v3_dir, start=5, tp_size=2, debug_collectives=True, **dp)
     results = mp.get_context("spawn").Manager().dict()
     mp.spawn(_decide_main, args=(server_args, PortArgs.init_new(server_args), PROMPTS, MAX_NEW, results), nprocs=2)
-    reference = _reference(partial_draft, PROMPTS, MAX_NEW)
+    reference = _reference(partial_deepseek_v3_dir, PROMPTS, MAX_NEW)
     assert results[0][0] + results[1][0] == reference if dp else results[0][0] == results[1][0] == reference
     assert results[0][1] == results[1][1]
     assert results[0][1][0] == 5 and len(set(results[0][1])) > 1

@@ -41,9 +41,6 @@ from sglang.srt.speculative.spec_plan import SpecIterationPlan, SpecSizes, SubFo
 from sglang.test.inprocess_scheduler import DetokenizerStub
 from sglang.test.model_harness import ModelHarness
 from sglang.test.server_utils import kill_server, popen_launch_server
-from sglang.test.spec_models import make_eagle_head, make_perfect_deepseek_v3
-from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
-from sglang.test.tiny_models import make_tiny_llama
 
 CHUNK = 4
 CHAIN = {"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
@@ -229,38 +226,32 @@ def _run_ranks(model_path: str, refs: dict, **spec_args) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def deepseek(tmp_path_factory) -> str:
-    return make_tiny_deepseek_v3(str(tmp_path_factory.mktemp("sdp_v3")))
-
-
-@pytest.fixture(scope="module")
-def deepseek_reference(deepseek) -> dict[str, list[int]]:
-    return _reference(deepseek)
+def deepseek_reference(tiny_deepseek_v3_dir) -> dict[str, list[int]]:
+    return _reference(tiny_deepseek_v3_dir)
 
 
 @pytest.mark.timeout(300)
-def test_nextn_tree_uneven_load_and_gathered_rows(deepseek, deepseek_reference):
-    _run_ranks(deepseek, deepseek_reference, speculative_algorithm="NEXTN", **TREE)
+def test_nextn_tree_uneven_load_and_gathered_rows(tiny_deepseek_v3_dir, deepseek_reference):
+    _run_ranks(tiny_deepseek_v3_dir, deepseek_reference, speculative_algorithm="NEXTN", **TREE)
 
 
 @pytest.mark.timeout(300)
-def test_perfect_nextn_accepts_steps_plus_one_on_every_dp_rank(tmp_path):
-    target = make_perfect_deepseek_v3(str(tmp_path / "perfect_v3"))
+def test_perfect_nextn_accepts_steps_plus_one_on_every_dp_rank(perfect_deepseek_v3_dir):
+    target = perfect_deepseek_v3_dir
     accept = _run_ranks(target, _reference(target), speculative_algorithm="NEXTN", **CHAIN)
     assert accept == [CHAIN["speculative_num_steps"] + 1] * 2
 
 
 @pytest.mark.timeout(300)
-def test_eagle_llama_under_dp_attention(tmp_path):
-    target = make_tiny_llama(str(tmp_path / "llama"))
-    head = make_eagle_head(target, str(tmp_path / "head"))
+def test_eagle_llama_under_dp_attention(tiny_llama_unsharded_eagle_pair):
+    target, head = tiny_llama_unsharded_eagle_pair
     _run_ranks(target, _reference(target), speculative_algorithm="EAGLE", speculative_draft_model_path=head, **TREE)
 
 
 # ---- HTTP server: staggered arrivals, logs and internal state ------------------------------
 
 
-def test_http_staggered_arrivals_and_per_rank_accept_length(deepseek, deepseek_reference):
+def test_http_staggered_arrivals_and_per_rank_accept_length(tiny_deepseek_v3_dir, deepseek_reference):
     run = SCENARIOS[0]
     spec = [f"--{k.replace('_', '-')}={v}" for k, v in CHAIN.items()]
     args = ["--device", "cpu", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--speculative-algo", "NEXTN"]
@@ -268,7 +259,7 @@ def test_http_staggered_arrivals_and_per_rank_accept_length(deepseek, deepseek_r
     # Each DP rank holds its late arrivals back for up to 2 cycles of its own decoding.
     args += ["--num-continuous-decode-steps", "2"]
     args += ["--load-balance-method", "round_robin"]  # both ranks decode: each logs its accept length
-    server = popen_launch_server(deepseek, args)
+    server = popen_launch_server(tiny_deepseek_v3_dir, args)
     try:
         results: dict[str, Optional[list[int]]] = {}
 
@@ -316,11 +307,11 @@ def _uneven_memory_main(rank: int, server_args: ServerArgs, port_args: PortArgs,
 
 
 @pytest.mark.timeout(300)
-def test_ranks_with_unequal_memory_agree_on_the_gathered_buffer(deepseek):
+def test_ranks_with_unequal_memory_agree_on_the_gathered_buffer(tiny_deepseek_v3_dir):
     """max_running_requests (memory-derived when not given) sizes each rank's gathered buffer;
     it is agreed at startup, so no rank's buffer is smaller than the others' batches need."""
     server_args = ServerArgs(
-        model_path=deepseek, device="cpu", tp_size=2, dp_size=2, enable_dp_attention=True,
+        model_path=tiny_deepseek_v3_dir, device="cpu", tp_size=2, dp_size=2, enable_dp_attention=True,
         chunked_prefill_size=CHUNK, max_total_tokens=200, speculative_algorithm="NEXTN", **CHAIN,
     )
     results = mp.get_context("spawn").Manager().dict()
@@ -348,12 +339,12 @@ def _greedy_and_sampling_main(rank: int, server_args: ServerArgs, port_args: Por
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("spec", [CHAIN, TREE], ids=["chain", "tree"])
-def test_one_dp_rank_greedy_the_other_sampling(deepseek, deepseek_reference, spec):
+def test_one_dp_rank_greedy_the_other_sampling(tiny_deepseek_v3_dir, deepseek_reference, spec):
     """The greedy rank runs the whole cycle as one program while the sampling rank runs it
     sub-forward by sub-forward with the walk on the host: the same collectives on both
     (--debug-collectives checks them), and the greedy rank's tokens equal the reference."""
     server_args = ServerArgs(
-        model_path=deepseek, device="cpu", tp_size=2, dp_size=2, enable_dp_attention=True,
+        model_path=tiny_deepseek_v3_dir, device="cpu", tp_size=2, dp_size=2, enable_dp_attention=True,
         chunked_prefill_size=CHUNK, max_running_requests=4, debug_collectives=True,
         speculative_algorithm="NEXTN", **spec,
     )
@@ -386,11 +377,11 @@ def _attn_tp_sampling_main(rank: int, server_args: ServerArgs, port_args: PortAr
 
 
 @pytest.mark.timeout(300)
-def test_attention_tp_ranks_keep_rank_0s_sampled_acceptance(deepseek):
+def test_attention_tp_ranks_keep_rank_0s_sampled_acceptance(tiny_deepseek_v3_dir):
     """--tp 2: both ranks hold the same requests and walk the tree with their own random
     numbers; they keep attention-TP rank 0's outcome, so their tokens (and KV) agree."""
     server_args = ServerArgs(
-        model_path=deepseek, device="cpu", tp_size=2, max_running_requests=4, speculative_algorithm="NEXTN", **TREE
+        model_path=tiny_deepseek_v3_dir, device="cpu", tp_size=2, max_running_requests=4, speculative_algorithm="NEXTN", **TREE
     )
     results = mp.get_context("spawn").Manager().dict()
     mp.spawn(_attn_tp_sampling_main, args=(server_args, PortArgs.init_new(server_args), results), nprocs=2)

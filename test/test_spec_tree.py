@@ -252,7 +252,7 @@ def test_draft_step_writes_its_own_scratch_columns(topk):
 
 
 @pytest.mark.parametrize("topk, n", [(1, 4), (4, 8)])
-def test_cycle_sub_forward_batches_are_dense(tmp_path, topk, n):
+def test_cycle_sub_forward_batches_are_dense(tiny_deepseek_v3_dir, topk, n):
     """Triton kernels read a batch's index tensors as dense arrays: every sub-forward of a
     decode cycle hands them contiguous, one request included (whose topk guesses share one
     position: an expanded view of it has stride 0)."""
@@ -261,10 +261,9 @@ def test_cycle_sub_forward_batches_are_dense(tmp_path, topk, n):
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.server_args import ServerArgs
     from sglang.test.inprocess_scheduler import greedy, start_scheduler
-    from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
 
     args = ServerArgs(
-        model_path=make_tiny_deepseek_v3(str(tmp_path / "m")), device="cpu", dtype="float32",
+        model_path=tiny_deepseek_v3_dir, device="cpu", dtype="float32",
         speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=topk,
         speculative_num_draft_tokens=n, max_running_requests=2, disable_radix_cache=True,
     )

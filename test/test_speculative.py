@@ -17,9 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import sglang as sgl
 from sglang.srt.server_args import ServerArgs
 from sglang.test.chi_square import chi_square, fits
-from sglang.test.spec_models import make_eagle_head, make_perfect_deepseek_v3, make_perfect_llama_pair
-from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
-from sglang.test.tiny_models import make_tiny_llama
+from sglang.test.spec_models import make_perfect_llama_pair
 
 PROMPTS = [
     [5, 17, 42, 99, 7, 3, 150, 11, 12, 13, 14, 15, 16],
@@ -30,18 +28,6 @@ MAX_NEW = 14
 CHAIN = {"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
 SHORT_CHAIN = {"speculative_num_steps": 1, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 2}
 TREE = {"speculative_num_steps": 3, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8}
-
-
-@pytest.fixture(scope="module")
-def llama_pair(tmp_path_factory) -> tuple[str, str]:
-    root = tmp_path_factory.mktemp("spec_llama")
-    target = make_tiny_llama(str(root / "target"))
-    return target, make_eagle_head(target, str(root / "head"))
-
-
-@pytest.fixture(scope="module")
-def deepseek(tmp_path_factory) -> str:
-    return make_tiny_deepseek_v3(str(tmp_path_factory.mktemp("spec_v3")))
 
 
 def _requests(model_dir: str, baseline_ids: list[list[int]] | None = None) -> list[tuple[list[int], dict]]:
@@ -90,13 +76,13 @@ def _baseline(model_dir: str):
 
 
 @pytest.fixture(scope="module")
-def llama_baseline(llama_pair):
-    return _baseline(llama_pair[0])
+def llama_baseline(tiny_llama_unsharded_eagle_pair):
+    return _baseline(tiny_llama_unsharded_eagle_pair[0])
 
 
 @pytest.fixture(scope="module")
-def deepseek_baseline(deepseek):
-    return _baseline(deepseek)
+def deepseek_baseline(tiny_deepseek_v3_dir):
+    return _baseline(tiny_deepseek_v3_dir)
 
 
 SPEC_CASES = [
@@ -106,23 +92,18 @@ SPEC_CASES = [
 
 
 @pytest.mark.parametrize("spec_args", SPEC_CASES)
-def test_eagle_greedy_equals_plain(llama_pair, llama_baseline, spec_args):
-    target, head = llama_pair
+def test_eagle_greedy_equals_plain(tiny_llama_unsharded_eagle_pair, llama_baseline, spec_args):
+    target, head = tiny_llama_unsharded_eagle_pair
     requests, expected = llama_baseline
     outs = _run(target, requests, speculative_algorithm="EAGLE", speculative_draft_model_path=head, **spec_args)
     assert _summary(outs) == expected
 
 
 @pytest.mark.parametrize("spec_args", SPEC_CASES)
-def test_nextn_greedy_equals_plain(deepseek, deepseek_baseline, spec_args):
+def test_nextn_greedy_equals_plain(tiny_deepseek_v3_dir, deepseek_baseline, spec_args):
     requests, expected = deepseek_baseline
-    outs = _run(deepseek, requests, speculative_algorithm="NEXTN", **spec_args)
+    outs = _run(tiny_deepseek_v3_dir, requests, speculative_algorithm="NEXTN", **spec_args)
     assert _summary(outs) == expected
-
-
-@pytest.fixture(scope="module")
-def perfect_llama(tmp_path_factory) -> tuple[str, str]:
-    return make_perfect_llama_pair(str(tmp_path_factory.mktemp("perfect_llama")))
 
 
 def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
@@ -146,17 +127,17 @@ def _greedy_with_accept_length(model_dir: str, **engine_args) -> tuple[list[list
     return [o["output_ids"] for o in outs], accept
 
 
-def test_perfect_eagle_head_accepts_every_draft(perfect_llama):
-    target, head = perfect_llama
+def test_perfect_eagle_head_accepts_every_draft(perfect_llama_pair):
+    target, head = perfect_llama_pair
     ids, accept = _greedy_with_accept_length(target, speculative_algorithm="EAGLE", speculative_draft_model_path=head, **CHAIN)
     assert accept == CHAIN["speculative_num_steps"] + 1
     assert ids == _hf_greedy(target, PROMPTS, MAX_NEW)
 
 
 @pytest.mark.parametrize("chain", [CHAIN, SHORT_CHAIN], ids=["3-1-4", "1-1-2"])
-def test_perfect_nextn_accepts_every_draft(tmp_path, chain):
+def test_perfect_nextn_accepts_every_draft(perfect_deepseek_v3_dir, chain):
     """steps 1: no draft loop; the verify checks the draft extend's guess alone."""
-    target = make_perfect_deepseek_v3(str(tmp_path / "v3"))
+    target = perfect_deepseek_v3_dir
     ids, accept = _greedy_with_accept_length(target, speculative_algorithm="NEXTN", **chain)
     assert accept == chain["speculative_num_steps"] + 1
     assert ids == _hf_greedy(target, PROMPTS, MAX_NEW)
@@ -200,10 +181,10 @@ def test_greedy_with_penalties_equals_plain(cycling_llama, spec_args):
     assert _summary(outs) == expected
 
 
-def test_tree_sampling_keeps_target_distribution(perfect_llama):
+def test_tree_sampling_keeps_target_distribution(perfect_llama_pair):
     """The target of the perfect pair predicts from the current token alone, so the law of
     the k-th output token is a product of per-token next-token distributions q."""
-    target, head = perfect_llama
+    target, head = perfect_llama_pair
     num, top_k, temperature = 500, 3, 1.0
     prompt = [5, 17, 42]
     with sgl.Engine(
@@ -230,8 +211,8 @@ def test_tree_sampling_keeps_target_distribution(perfect_llama):
         assert fits(counts, law, num), (k, chi_square(counts, law, num))
 
 
-def test_eagle_tree_under_tp2_equals_plain(llama_pair, llama_baseline):
-    target, head = llama_pair
+def test_eagle_tree_under_tp2_equals_plain(tiny_llama_unsharded_eagle_pair, llama_baseline):
+    target, head = tiny_llama_unsharded_eagle_pair
     requests, expected = llama_baseline
     outs = _run(target, requests, tp_size=2, speculative_algorithm="EAGLE", speculative_draft_model_path=head, **TREE)
     assert _summary(outs) == expected

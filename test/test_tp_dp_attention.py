@@ -34,7 +34,6 @@ from sglang.srt.layers.dp_attention import DpRanks, dp_gather, dp_scatter, gathe
 from sglang.srt.model_loader import get_model
 from sglang.test.dist_utils import spawn_gloo
 from sglang.test.model_harness import ModelHarness
-from sglang.test.tiny_deepseek import make_tiny_deepseek_v3
 from sglang.test.tiny_models import make_tiny_llama
 
 CHUNK = 4
@@ -52,13 +51,7 @@ def llama_tied(tmp_path_factory) -> str:
     return make_tiny_llama(str(tmp_path_factory.mktemp("llama_tied")), tie_word_embeddings=True)
 
 
-@pytest.fixture(scope="module")
-def deepseek_v3(tmp_path_factory) -> str:
-    """MLA + a dense layer + 2 MoE layers with a shared expert."""
-    return make_tiny_deepseek_v3(str(tmp_path_factory.mktemp("ds_v3")), with_mtp=False)
-
-
-@pytest.fixture(params=["llama_tied", "deepseek_v3"])
+@pytest.fixture(params=["llama_tied", "tiny_deepseek_v3_no_mtp_dir"], ids=["llama_tied", "deepseek_v3"])
 def model_dir(request) -> str:
     return request.getfixturevalue(request.param)
 

@@ -6,56 +6,12 @@ interpreter on small float32 shapes; without triton the module is skipped.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-import triton  # noqa: E402,F401  (a test dependency: never skipped when missing)
+import triton  # noqa: F401  (a test dependency: never skipped when missing)
 
-ON_CUDA = torch.cuda.is_available()
-# TRITON_INTERPRET is read when each @triton.jit function (triton.language's own included)
-# is decorated, and triton is usually imported before this module (by transformers), so on
-# CPU the kernel tests rerun in a fresh interpreter process that sets it from the start.
-NEEDS_SUBPROCESS = not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1"
-kernel_test = pytest.mark.skipif(NEEDS_SUBPROCESS, reason="runs in the TRITON_INTERPRET=1 subprocess")
-
-
-def rerun_under_interpreter(path: str, *pytest_args: str, timeout: int = 1800) -> None:
-    """Run the tests of `path` again in a fresh TRITON_INTERPRET=1 process; fail with its output."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", path, *pytest_args],
-        env=env, capture_output=True, text=True, timeout=timeout,
-    )
-    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
-
-
-@pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="already compiled or interpreted in this process")
-def test_kernels_under_triton_interpreter():
-    rerun_under_interpreter(__file__)
-
-
-def _interpreter_numpy2_compat() -> None:
-    """Triton 3.6's interpreter turns scalar tensors (numpy shape (1,)) into loop bounds with
-    int(array), which NumPy >= 2.4 rejects; use .item() instead (test-only, interpreter-only)."""
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    interpreter._patch_lang_tensor = patched
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _interpreter_numpy2_compat()
-
-from sglang.srt.kernels.moe.grouped_gemm import (  # noqa: E402
+from sglang.srt.kernels.moe.grouped_gemm import (
     MAX_PAIRS_ONE_PROGRAM,
     _align_by_expert_torch,
     align_by_expert,
@@ -64,17 +20,28 @@ from sglang.srt.kernels.moe.grouped_gemm import (  # noqa: E402
     variant_token_counts,
     warm_up_variants,
 )
-from sglang.srt.kernels.moe.routing import select_experts_triton  # noqa: E402
-from sglang.srt.kernels.moe.routing_config import RoutingConfig  # noqa: E402
-from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
-from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from sglang.srt.layers.moe.fused_moe import moe_forward_native  # noqa: E402
-from sglang.srt.layers.moe.topk import select_experts  # noqa: E402
-from sglang.test.attention_batches import AttnShape, make_attention_batch  # noqa: E402
+from sglang.srt.kernels.moe.routing import select_experts_triton
+from sglang.srt.kernels.moe.routing_config import RoutingConfig
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from sglang.srt.layers.moe.fused_moe import moe_forward_native
+from sglang.srt.layers.moe.topk import select_experts
+from sglang.test.attention_batches import AttnShape, make_attention_batch
+from sglang.test.triton_harness import (
+    DEVICE,
+    KERNEL_TOL,
+    NEEDS_SUBPROCESS,
+    ON_CUDA,
+    compare_attention_with_torch_native,
+    kernel_test,
+    rerun_under_interpreter,
+)
 
-DEVICE = "cuda" if ON_CUDA else "cpu"
 DTYPES = [torch.bfloat16, torch.float32] if ON_CUDA else [torch.float32]
-TOL = {torch.float32: 1e-2 if ON_CUDA else 1e-4, torch.bfloat16: 3e-2}  # CUDA fp32 dots run in TF32
+
+
+@pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="already compiled or interpreted in this process")
+def test_kernels_under_triton_interpreter():
+    rerun_under_interpreter(__file__)
 
 
 # MHA, GQA 4:1, MQA with a non-power-of-two head dim, MLA at tiny and real DeepSeek widths.
@@ -88,27 +55,13 @@ if ON_CUDA:
     ATTN_SHAPES += [AttnShape(32, 8, 128, 128), AttnShape(16, 1, 576, 512, True), AttnShape(128, 1, 576, 512, True)]
 
 
-def _compare(shape, ext_lens, prefix_lens, dtype, tree=False, seed=0):
-    fb, q, k, v = make_attention_batch(shape, ext_lens, prefix_lens, dtype, DEVICE, tree, seed)
-    layer = shape.layer()
-    outs = []
-    for backend in (TorchNativeAttnBackend(), TritonAttnBackend()):
-        fb.attn_backend = backend
-        backend.init_forward_metadata(fb)
-        outs.append(backend.forward(q, k, v, layer, fb).float())
-    ref, got = outs
-    assert got.shape == ref.shape
-    torch.testing.assert_close(got, ref, atol=TOL[dtype], rtol=TOL[dtype])
-    return fb
-
-
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ATTN_SHAPES)
 def test_decode_matches_torch_native(shape, dtype):
     # KV lengths 1, block-boundary-adjacent, and long enough for several KV splits.
     prefix_lens = [0, 63, 64, 200, 7]
-    fb = _compare(shape, [1] * len(prefix_lens), prefix_lens, dtype)
+    fb = compare_attention_with_torch_native(shape, [1] * len(prefix_lens), prefix_lens, dtype)
     assert fb.attn_backend.metadata.use_decode_kernel
     assert fb.attn_backend.metadata.num_kv_splits.tolist() == [1, 1, 2, 4, 1]
 
@@ -118,7 +71,7 @@ def test_decode_matches_torch_native(shape, dtype):
 @pytest.mark.parametrize("shape", ATTN_SHAPES)
 def test_extend_with_prefix_matches_torch_native(shape, dtype):
     # Fresh prefill, prefix + chunk across block sizes, a request with no new tokens.
-    fb = _compare(shape, [5, 17, 0, 70, 1], [0, 40, 3, 16, 9], dtype, seed=1)
+    fb = compare_attention_with_torch_native(shape, [5, 17, 0, 70, 1], [0, 40, 3, 16, 9], dtype, seed=1)
     assert not fb.attn_backend.metadata.use_decode_kernel
 
 
@@ -127,7 +80,7 @@ def test_extend_with_prefix_matches_torch_native(shape, dtype):
 @pytest.mark.parametrize("shape", ATTN_SHAPES)
 def test_verify_tree_mask_matches_torch_native(shape, dtype):
     # Trees of 4, 6 and 1 tokens over each request's last 6 columns (prefix ones included).
-    fb = _compare(shape, [4, 6, 1], [10, 0, 65], dtype, tree=True, seed=2)
+    fb = compare_attention_with_torch_native(shape, [4, 6, 1], [10, 0, 65], dtype, tree=True, seed=2)
     assert fb.custom_mask.numel() == 11 * 6
 
 
@@ -136,7 +89,7 @@ def test_verify_tree_mask_matches_torch_native(shape, dtype):
 def test_tree_rows_across_tiles_match_torch_native(shape):
     """Query heads packed into the tile rows: a tree of 13 tokens (13 x group rows) spans
     several tiles, which split its tokens' heads between them."""
-    _compare(shape, [13, 2], [5, 70], DTYPES[0], tree=True, seed=3)
+    compare_attention_with_torch_native(shape, [13, 2], [5, 70], DTYPES[0], tree=True, seed=3)
 
 
 @kernel_test
@@ -172,7 +125,7 @@ def test_fused_moe_matches_native(shape, dtype):
     ref = moe_forward_native(x, w13, w2, weights, ids)
     got = fused_moe(x, w13, w2, weights, ids)
     assert got.shape == ref.shape and got.dtype == ref.dtype
-    torch.testing.assert_close(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(got.float(), ref.float(), atol=KERNEL_TOL[dtype], rtol=KERNEL_TOL[dtype])
 
 
 # DeepSeek-V2-Lite (softmax greedy), V2 (group-limited, 20-expert groups), V3 (sigmoid noaux_tc

@@ -29,15 +29,16 @@ case "$stage" in
   kernels)
     # No -x: one failure must not hide the other kernels' results.
     step kernel_tests 300 python3 -m pytest -q test/test_triton_kernels.py test/test_attention_backends.py \
-      test/test_gemv.py test/test_fused_ops.py test/test_deepseek_kernels.py test/test_sampler.py test/test_cuda_graph.py
+      test/test_gemv.py test/test_fused_ops.py test/test_deepseek_kernels.py test/test_sampler.py test/test_cuda_graph_keys.py \
+      test/test_cuda_graph_replay.py test/test_cuda_graph_spec.py
     step bench_attention 150 python3 benchmark/kernels/bench_attention.py
     step smollm2_agreement 150 python3 benchmark/accuracy/greedy_agreement.py --model-path "$smollm2" \
       --out "$out/smollm2_gpu_bf16.json" --compare benchmark/accuracy/smollm2_cpu_f32.json -- --disable-cuda-graph
     step smollm2_decode 150 python3 benchmark/bench_decode.py --model-path "$smollm2" --batch-sizes 1 32 -- --disable-cuda-graph
     ;;
   kernel-tests)  # the DeepSeek, fused-op, graph and tree tests alone (the kernels stage runs more)
-    step kernel_tests 150 python3 -m pytest -q test/test_deepseek_kernels.py test/test_fused_ops.py test/test_cuda_graph.py \
-      test/test_spec_tree.py
+    step kernel_tests 150 python3 -m pytest -q test/test_deepseek_kernels.py test/test_fused_ops.py test/test_cuda_graph_keys.py \
+      test/test_cuda_graph_replay.py test/test_cuda_graph_spec.py test/test_spec_tree.py
     ;;
   launch)  # host cost of eager launches, and an eager decode step of the small DeepSeek (issue 9: prefills are eager)
     step bench_launch 60 python3 benchmark/kernels/bench_launch.py
@@ -107,7 +108,8 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     ;;
   graphs)  # one GPU: CUDA graphs for plain decode and for every speculative sub-forward
     nextn=$nextn_3_1_4
-    step graph_tests 300 python3 -m pytest -q -x test/test_cuda_graph.py test/test_triton_kernels.py test/test_fused_ops.py
+    step graph_tests 300 python3 -m pytest -q -x test/test_cuda_graph_keys.py test/test_cuda_graph_replay.py \
+      test/test_cuda_graph_spec.py test/test_triton_kernels.py test/test_fused_ops.py
     step spec_graphs_equal 400 python3 benchmark/gpu/validate_parallel_spec.py --gpus 1 --out "$out"
     step dsv2lite_plain 200 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v2-lite.json \
       --batch-sizes 1 32 -- --cuda-graph-max-bs 32
