@@ -26,7 +26,7 @@ from sglang.srt.model_executor.prefill_graphs import (
     prefill_token_buckets,
 )
 from sglang.srt.server_args import ServerArgs, prepare_server_args
-from sglang.test.prefill_batches import PrefillBatches
+from sglang.test.prefill_batches import PREFILL_CASES, PROMPTS, case_batches
 from sglang.test.sync_counter import SyncCounter
 
 EXTEND, DECODE = ForwardMode.EXTEND, ForwardMode.DECODE
@@ -307,32 +307,12 @@ def _assert_same_greedy(got: torch.Tensor, want: torch.Tensor, tol: float) -> No
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
-PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8, 1, 4, 6, 2, 9, 12], [11, 4, 6, 1, 9, 2, 10, 7, 7, 3, 15, 8, 2]]
-LONG_PROMPT = [(7 * i) % 90 + 3 for i in range(100)]
-CASES = ["one prompt", "several prompts", "cached prefix", "chunked prefill", "full bucket", "long prompt"]
-
-
-def case_batches(runner: ModelRunner, case: str) -> list[ForwardBatch]:
-    """The batches of a case, in order; all but the last run eagerly before it (they fill the
-    prefix KV the last one reads)."""
-    batches = PrefillBatches(runner)
-    if case == "one prompt":  # 11 tokens in bucket 16: a padding request and two empty rows
-        return [batches.extend([batches.request(PROMPTS[2][:11])])]
-    if case == "several prompts":  # 5 + 9 + 13 tokens in bucket 32
-        return [batches.extend([batches.request(p) for p in PROMPTS])]
-    if case == "cached prefix":  # a request reusing 8 tokens of another's KV, beside a fresh prompt
-        first = batches.request(PROMPTS[2])
-        warm = batches.extend([first])
-        second = batches.request(PROMPTS[2][:8] + [20, 21, 22, 23, 24], prefix_of=first, prefix_len=8)
-        return [warm, batches.extend([second, batches.request(PROMPTS[1][:6])])]
-    if case == "chunked prefill":  # the second chunk (8 tokens, bucket 8 exactly) of a 20-token prompt
-        req = batches.request(PROMPTS[2] + PROMPTS[1][:7])
-        return [batches.extend([req], [12]), batches.extend([req])]
-    if case == "full bucket":  # 4 requests of 4 tokens: bucket 16 with nothing padded
-        return [batches.extend([batches.request(p[:4]) for p in (*PROMPTS, [30, 31, 32, 33])])]
-    if case == "long prompt":  # 100 + 5 tokens in bucket 128: the long one spans two query blocks
-        return [batches.extend([batches.request(LONG_PROMPT), batches.request(PROMPTS[0])])]
-    raise ValueError(case)
+# With RAGGED, the cases (sglang.test.prefill_batches) pad every way: one prompt of 11 tokens in
+# bucket 16 (a padding request and two empty rows), several of 27 in 32, a cached prefix (two
+# requests, 11 new tokens) in 16, a second chunk of exactly 8 in 8 (empty rows only), a full
+# bucket (4 x 4 tokens in 16: nothing padded), and a long prompt of 100 + 5 in 128 (a request
+# longer than one 64-row query block of the extend kernel).
+CASES = PREFILL_CASES
 
 
 @pytest.fixture(scope="module")
@@ -401,11 +381,12 @@ def _patch_interpreter() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or INTERPRETED, reason="CPU only; spawns the interpreter run")
-def test_graph_path_under_triton_interpreter():
-    """On CPU, run the tests below in a fresh TRITON_INTERPRET=1 process (see test_triton_kernels)."""
+def test_prefill_work_under_triton_interpreter():
+    """On CPU, run the graph_path tests below in a fresh TRITON_INTERPRET=1 process (see
+    test_triton_kernels)."""
     from test_triton_kernels import rerun_under_interpreter
 
-    rerun_under_interpreter(__file__, "-k", "graph_path_matches", timeout=1500)
+    rerun_under_interpreter(__file__, "-k", "graph_path", timeout=1500)
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETED), reason="needs compiled or interpreted Triton")
@@ -430,6 +411,53 @@ def test_graph_path_matches_eager_triton(model_dirs, model):
         assert graphs.num_replays == replays + 1, case
         _assert_same_greedy(logits, eager, tol)
         _assert_kv_like_eager(runner, fb, before, after, tol)
+
+
+def _reads_outside_native_moe(counter: SyncCounter) -> int:
+    """Reads but the CPU reference MoE's (moe_forward_native: its expert sizes, on the host;
+    CUDA runs grouped_gemm.fused_moe instead, checked apart below)."""
+    return sum(n for site, n in counter.sites.items() if site.startswith("read") and "moe/fused_moe.py" not in site)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETED), reason="needs compiled or interpreted Triton")
+@pytest.mark.parametrize("model", ["llama", "deepseek_v3"])
+def test_graph_path_reads_nothing_back(model_dirs, model):
+    """The captured prefill work neither reads the device nor uploads host data (either would
+    stall a replay, or break the capture)."""
+    _patch_interpreter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    runner = make_runner(model_dirs[model], device, "float32", attention_backend="triton", disable_cuda_graph=True)
+    graphs = CudaGraphRunner(runner, {ModeKey(EXTEND): PREFILL}, [1], False)
+    emulated_capture(graphs)
+    *_, fb = case_batches(runner, "several prompts")
+    runner.attach(fb)
+    key = graphs.key_for(fb)
+    graphs.inputs.fill(fb, key, PREFILL)
+    with SyncCounter(trace=True) as counter:
+        graphs.run_into_outputs(_without_host_lengths(graphs.inputs.batch(key, PREFILL)), key)
+    assert _reads_outside_native_moe(counter) == counter.uploads == counter.transfers == 0, counter.sites
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETED), reason="needs compiled or interpreted Triton")
+@pytest.mark.parametrize("num_tokens", [64, 600])
+def test_graph_path_moe_reads_nothing_back(num_tokens):
+    """The CUDA MoE (routing, expert alignment: in one program up to 1024 (token, slot) pairs,
+    in plain PyTorch above, grouped GEMMs) at a bucket's token count: no read, no upload."""
+    _patch_interpreter()
+    from sglang.srt.kernels.moe.grouped_gemm import fused_moe
+    from sglang.srt.kernels.moe.routing import select_experts_triton
+    from sglang.srt.kernels.moe.routing_config import RoutingConfig
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(num_tokens)
+    routing = RoutingConfig(2, 8, "sigmoid", "noaux_tc", 4, 2, renormalize=True, num_shared_experts=1)
+    x = torch.randn(num_tokens, 16, generator=gen).to(device)
+    w13, w2 = torch.randn(9, 32, 16, generator=gen).to(device), torch.randn(9, 16, 16, generator=gen).to(device)
+    logits, bias = torch.randn(num_tokens, 8, generator=gen).to(device), torch.zeros(8, device=device)
+    with SyncCounter(trace=True) as counter:
+        weights, ids = select_experts_triton(logits, routing, bias)
+        fused_moe(x, w13, w2, weights, ids, shared_slots=1)
+    assert counter.reads == counter.uploads == counter.transfers == 0, counter.sites
 
 
 @contextmanager

@@ -1,5 +1,6 @@
 """Prefill (extend) batches over a ModelRunner's pools, built by hand: whole prompts, prompts
-whose prefix another request's KV already holds (a radix-cache hit), and prompt chunks."""
+whose prefix another request's KV already holds (a radix-cache hit), and prompt chunks; and a
+set of prefill cases over them (token ids below 100, for any tiny model's vocabulary)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,31 @@ class PrefillBatches:
         table = self.runner.req_to_token_pool
         table.write(req.row, req.cached, torch.tensor(slots, dtype=torch.int64, device=table.req_to_token.device))
         req.slots += slots
+
+
+PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8, 1, 4, 6, 2, 9, 12], [11, 4, 6, 1, 9, 2, 10, 7, 7, 3, 15, 8, 2]]
+LONG_PROMPT = [(7 * i) % 90 + 3 for i in range(100)]  # longer than one 64-row query block
+PREFILL_CASES = ("one prompt", "several prompts", "cached prefix", "chunked prefill", "full bucket", "long prompt")
+
+
+def case_batches(runner: ModelRunner, case: str) -> list[ForwardBatch]:
+    """The batches of a prefill case (PREFILL_CASES), in order: all but the last fill the
+    prefix KV that the last one reads, and run first."""
+    batches = PrefillBatches(runner)
+    if case == "one prompt":  # 11 tokens
+        return [batches.extend([batches.request(PROMPTS[2][:11])])]
+    if case == "several prompts":  # 5 + 9 + 13 tokens
+        return [batches.extend([batches.request(p) for p in PROMPTS])]
+    if case == "cached prefix":  # 5 new tokens after 8 of another request's KV, beside a fresh 6-token prompt
+        first = batches.request(PROMPTS[2])
+        warm = batches.extend([first])
+        second = batches.request(PROMPTS[2][:8] + [20, 21, 22, 23, 24], prefix_of=first, prefix_len=8)
+        return [warm, batches.extend([second, batches.request(PROMPTS[1][:6])])]
+    if case == "chunked prefill":  # the second chunk (8 tokens) of a 20-token prompt
+        req = batches.request(PROMPTS[2] + PROMPTS[1][:7])
+        return [batches.extend([req], [12]), batches.extend([req])]
+    if case == "full bucket":  # 4 requests of 4 tokens
+        return [batches.extend([batches.request(p[:4]) for p in (*PROMPTS, [30, 31, 32, 33])])]
+    if case == "long prompt":  # 100 + 5 tokens
+        return [batches.extend([batches.request(LONG_PROMPT), batches.request(PROMPTS[0])])]
+    raise ValueError(f"unknown prefill case {case!r}")
