@@ -4,6 +4,7 @@ interpreter on CPU), through the scheduler too; replay equals eager (CUDA only).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from contextlib import contextmanager
@@ -458,6 +459,25 @@ def test_graph_path_moe_reads_nothing_back(num_tokens):
         weights, ids = select_experts_triton(logits, routing, bias)
         fused_moe(x, w13, w2, weights, ids, shared_slots=1)
     assert counter.reads == counter.uploads == counter.transfers == 0, counter.sites
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
+def test_graph_path_validation_script_equality_check(model_dirs, capsys):
+    """benchmark/gpu/validate_prefill_graphs.py's equality check, over emulated graphs: every
+    case replays and passes (what the GPU run checks with real graphs)."""
+    import importlib.util
+
+    _patch_interpreter()
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmark", "gpu", "validate_prefill_graphs.py")
+    spec = importlib.util.spec_from_file_location("validate_prefill_graphs", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    runner = make_runner(model_dirs["llama"], "cpu", "float32", attention_backend="triton", disable_cuda_graph=True)
+    runner.graph_runner = CudaGraphRunner(runner, {ModeKey(EXTEND): PREFILL}, [1], False)
+    emulated_capture(runner.graph_runner)
+    assert script.check_equal(runner, "tiny_llama")
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["case"] for r in rows] == list(CASES) and all(r["replayed"] and r["greedy_equal"] for r in rows)
 
 
 @contextmanager
