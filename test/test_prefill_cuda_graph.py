@@ -16,7 +16,6 @@ from unittest import mock
 import pytest
 import torch
 from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
-from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.mem_cache.memory_pool import DUMMY_KV_SLOT, DUMMY_REQ_ROW, ReqToTokenPool
 from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, CudaGraphRunner, GraphKey, ModeKey, StaticInputs
 from sglang.srt.model_executor.model_runner import ModelRunner
@@ -29,6 +28,7 @@ from sglang.srt.model_executor.prefill_graphs import (
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 from sglang.test.prefill_batches import PREFILL_CASES, PROMPTS, case_batches
 from sglang.test.sync_counter import SyncCounter
+from test_cuda_graph import _kv_restore, _kv_snapshot, _lengths_agree, make_runner
 
 EXTEND, DECODE = ForwardMode.EXTEND, ForwardMode.DECODE
 # Small buckets: every case below pads differently; 128 holds a request longer than one block
@@ -153,15 +153,6 @@ def test_key_for_prefill_buckets_or_eager():
 
 
 # ---------------------------------------------------------------------- static inputs
-def _lengths_agree(fb: ForwardBatch) -> bool:
-    """The device lengths a graph reads are the host lengths the batch was shaped with."""
-    return (
-        fb.seq_lens.tolist() == list(fb.seq_lens_cpu)
-        and fb.extend_seq_lens.tolist() == list(fb.extend_seq_lens_cpu)
-        and sum(fb.extend_seq_lens_cpu) == fb.num_tokens
-    )
-
-
 def test_static_inputs_pad_a_ragged_batch():
     """Padding tokens: token 0 at position 0 writing the dummy slot, all in one padding request
     (no prefix, on the dummy table row) right after the real ones; the other rows are empty."""
@@ -255,30 +246,6 @@ def test_scheduler_on_cpu_runs_the_flag_eagerly(tiny_llama_dir):
 
 
 # ---------------------------------------------------------------------- padded batches through a model
-def make_runner(path: str, device: str, dtype: str, **args) -> ModelRunner:
-    server_args = ServerArgs(
-        model_path=path, device=device, dtype=dtype, max_total_tokens=2048, max_running_requests=16, **args
-    )
-    return ModelRunner(ModelConfig(path, dtype=dtype, device=device), server_args, gpu_id=0)
-
-
-def _kv_buffers(runner: ModelRunner) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for i in range(runner.num_kv_layers):
-        kv = runner.kv_pool.get_kv_buffer(i)
-        out += list(kv) if isinstance(kv, tuple) else [kv]
-    return out
-
-
-def _kv_snapshot(runner: ModelRunner) -> list[torch.Tensor]:
-    return [t.clone() for t in _kv_buffers(runner)]
-
-
-def _kv_restore(runner: ModelRunner, snapshot: list[torch.Tensor]) -> None:
-    for buf, saved in zip(_kv_buffers(runner), snapshot):
-        buf.copy_(saved)
-
-
 def _eager(runner: ModelRunner, fb: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """fb's eager logits, the KV before it and the KV it leaves; the pool is left as before."""
     before = _kv_snapshot(runner)
@@ -399,9 +366,15 @@ def test_graph_path_matches_eager_triton(model_dirs, model):
     _patch_interpreter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     runner = make_runner(model_dirs[model], device, "float32", attention_backend="triton", disable_cuda_graph=True)
-    runner.graph_runner = graphs = CudaGraphRunner(runner, {ModeKey(EXTEND): PREFILL}, [1], False)
-    emulated_capture(graphs)
-    tol = 1e-3 if device == "cuda" else 1e-4  # CUDA: the bucket's GEMM shapes differ from eager's
+    runner.graph_runner = CudaGraphRunner(runner, {ModeKey(EXTEND): PREFILL}, [1], False)
+    emulated_capture(runner.graph_runner)
+    _check_cases_replay_like_eager(runner, 1e-3 if device == "cuda" else 1e-4)  # CUDA: the bucket's GEMM shapes differ
+
+
+def _check_cases_replay_like_eager(runner: ModelRunner, tol: float) -> None:
+    """Each case's last batch replays one graph through ModelRunner.forward and gives eager's
+    logits (greedy tokens) and KV."""
+    graphs = runner.graph_runner
     for case in CASES:
         *warm, fb = case_batches(runner, case)
         for batch in warm:
@@ -548,14 +521,4 @@ def test_prefill_graph_replay_matches_eager(model_dirs, model, dtype):
     graphs = runner.graph_runner
     assert sorted(k.num_tokens for k in graphs.graphs if k.mode == EXTEND) == list(RAGGED.buckets)
     assert sorted(k.batch_size for k in graphs.graphs if k.mode == DECODE) == [1, 2, 4]
-    tol = 1e-3 if dtype == "float32" else 3e-2
-    for case in CASES:
-        *warm, fb = case_batches(runner, case)
-        for batch in warm:
-            runner.forward_eager(batch)
-        eager, before, after = _eager(runner, fb)
-        replays = graphs.num_replays
-        logits = runner.forward(fb).next_token_logits
-        assert graphs.num_replays == replays + 1, case
-        _assert_same_greedy(logits, eager, tol)
-        _assert_kv_like_eager(runner, fb, before, after, tol)
+    _check_cases_replay_like_eager(runner, 1e-3 if dtype == "float32" else 3e-2)
