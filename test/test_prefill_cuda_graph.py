@@ -70,13 +70,15 @@ def _gpu_args(**args) -> ServerArgs:
 
 def test_only_the_plain_prefill_is_captured():
     on = dict(enable_piecewise_cuda_graph=True)
-    assert prefill_ragged_tokens(_gpu_args(**on), 4096) == RaggedTokens((64, 128, 256, 512, 1024, 2048))
-    assert prefill_ragged_tokens(_gpu_args(), 4096) is None  # off by default
-    assert prefill_ragged_tokens(_gpu_args(tp_size=2, **on), 4096) is not None  # TP without DP attention
+    assert prefill_ragged_tokens(_gpu_args(**on), 4096, 256) == RaggedTokens((64, 128, 256, 512, 1024, 2048), 16)
+    assert prefill_ragged_tokens(_gpu_args(), 4096, 256) is None  # off by default
+    assert prefill_ragged_tokens(_gpu_args(tp_size=2, **on), 4096, 256) is not None  # TP without DP attention
     dp = _gpu_args(tp_size=2, dp_size=2, enable_dp_attention=True, **on)
-    assert prefill_ragged_tokens(dp, 4096) is None  # DP attention: eager
-    assert prefill_ragged_tokens(_gpu_args(speculative_algorithm="NEXTN", **on), 4096) is None  # speculative: eager
-    assert prefill_ragged_tokens(_gpu_args(piecewise_cuda_graph_tokens=[64], **on), 4096).buckets == (64,)
+    assert prefill_ragged_tokens(dp, 4096, 256) is None  # DP attention: eager
+    assert prefill_ragged_tokens(_gpu_args(speculative_algorithm="NEXTN", **on), 4096, 256) is None  # speculative: eager
+    assert prefill_ragged_tokens(_gpu_args(piecewise_cuda_graph_tokens=[64], **on), 4096, 256).buckets == (64,)
+    # Two running requests at most: rows for them and the padding request.
+    assert prefill_ragged_tokens(_gpu_args(**on), 4096, 2).max_rows == 3
 
 
 def test_bucket_for():
@@ -224,7 +226,7 @@ def test_parsed_flags():
         ["--model-path", "m", "--device", "cuda", "--enable-piecewise-cuda-graph", "--piecewise-cuda-graph-tokens", "128", "512"]
     )
     assert args.enable_piecewise_cuda_graph and args.piecewise_cuda_graph_tokens == [128, 512]
-    assert prefill_ragged_tokens(args, 8192).buckets == (128, 512)
+    assert prefill_ragged_tokens(args, 8192, 256).buckets == (128, 512)
 
 
 def test_scheduler_on_cpu_runs_the_flag_eagerly(tiny_llama_dir):

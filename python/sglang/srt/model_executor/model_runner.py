@@ -280,7 +280,7 @@ class ModelRunner:
         if not isinstance(self.attn_backend, GraphCapturableBackend):
             logger.info("CUDA graphs off: --attention-backend %s cannot be captured", args.attention_backend)
             return {}
-        ragged = prefill_ragged_tokens(args, self.prefill_graph_token_limit())
+        ragged = prefill_ragged_tokens(args, self.prefill_graph_token_limit(), self.max_running_requests)
         if ragged is None:
             return self.graph_modes
         return {**self.graph_modes, ModeKey(ForwardMode.EXTEND): CapturedMode(0, ragged=ragged)}

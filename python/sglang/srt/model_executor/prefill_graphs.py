@@ -1,7 +1,8 @@
 """Which prefill (extend) forwards are captured in CUDA graphs: token buckets and request rows.
 
 A prefill batch's requests bring any number of new tokens, so its graphs are *ragged*: one per
-token bucket T, holding R = min(T, max_rows) request rows. A batch of n <= T tokens in bs
+token bucket T, holding R = min(T, max_rows) request rows (max_rows: 16, or one more than the
+running-request cap when that is smaller). A batch of n <= T tokens in bs
 requests replays the smallest bucket that holds it: its requests fill rows 0..bs-1 and tokens
 0..n-1; the T - n padding tokens belong to one padding request on row bs, and the rows after
 it are empty requests (no tokens, no KV). So a bucket holds the batch when n <= T and
@@ -77,10 +78,12 @@ def prefill_token_buckets(given: Optional[Sequence[int]], max_tokens: Optional[i
     return kept
 
 
-def prefill_ragged_tokens(args: ServerArgs, limit: int) -> Optional[RaggedTokens]:
+def prefill_ragged_tokens(args: ServerArgs, limit: int, max_running_requests: int) -> Optional[RaggedTokens]:
     """The prefill graphs this server captures (limit: see prefill_token_buckets), or None: the
-    flag is off, DP attention or speculative decoding is on, or no bucket is left."""
+    flag is off, DP attention or speculative decoding is on, or no bucket is left. A batch
+    holds at most max_running_requests requests, so no graph has rows for more (and the
+    padding request)."""
     if not args.enable_piecewise_cuda_graph or args.enable_dp_attention or args.speculative_algorithm is not None:
         return None
     buckets = prefill_token_buckets(args.piecewise_cuda_graph_tokens, args.piecewise_cuda_graph_max_tokens, limit)
-    return RaggedTokens(tuple(buckets)) if buckets else None
+    return RaggedTokens(tuple(buckets), min(MAX_ROWS, max_running_requests + 1)) if buckets else None
