@@ -68,15 +68,20 @@ def _gpu_args(**args) -> ServerArgs:
     return ServerArgs(model_path="m", device="cuda", **args)
 
 
-def test_only_the_plain_prefill_is_captured():
+def test_only_the_plain_prefill_is_captured(caplog):
     on = dict(enable_piecewise_cuda_graph=True)
     assert prefill_ragged_tokens(_gpu_args(**on), 4096, 256) == RaggedTokens((64, 128, 256, 512, 1024, 2048), 16)
     assert prefill_ragged_tokens(_gpu_args(), 4096, 256) is None  # off by default
     assert prefill_ragged_tokens(_gpu_args(tp_size=2, **on), 4096, 256) is not None  # TP without DP attention
-    dp = _gpu_args(tp_size=2, dp_size=2, enable_dp_attention=True, **on)
-    assert prefill_ragged_tokens(dp, 4096, 256) is None  # DP attention: eager
-    assert prefill_ragged_tokens(_gpu_args(speculative_algorithm="NEXTN", **on), 4096, 256) is None  # speculative: eager
     assert prefill_ragged_tokens(_gpu_args(piecewise_cuda_graph_tokens=[64], **on), 4096, 256).buckets == (64,)
+    # DP attention, speculative decoding: the flag is ignored with a warning (prefill eager).
+    with caplog.at_level(logging.WARNING):
+        dp = _gpu_args(tp_size=2, dp_size=2, enable_dp_attention=True, **on)
+        spec = _gpu_args(speculative_algorithm="NEXTN", **on)
+    assert not dp.enable_piecewise_cuda_graph and prefill_ragged_tokens(dp, 4096, 256) is None
+    assert not spec.enable_piecewise_cuda_graph and prefill_ragged_tokens(spec, 4096, 256) is None
+    assert "--enable-piecewise-cuda-graph is ignored with --enable-dp-attention" in caplog.text
+    assert "--enable-piecewise-cuda-graph is ignored with --speculative-algorithm" in caplog.text
     # Two running requests at most: rows for them and the padding request.
     assert prefill_ragged_tokens(_gpu_args(**on), 4096, 2).max_rows == 3
 

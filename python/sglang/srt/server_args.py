@@ -263,13 +263,27 @@ class ServerArgs:
             self.mem_fraction_static = 0.88
         if self.device == "cpu":
             self.disable_cuda_graph = True
-            if self.enable_piecewise_cuda_graph:
-                logger.warning("--enable-piecewise-cuda-graph is ignored on CPU: CUDA graphs need CUDA")
-                self.enable_piecewise_cuda_graph = False
+        self._resolve_piecewise_cuda_graph()
         if self.load_balance_method is None:
             self.load_balance_method = "minimum_tokens" if self.enable_dp_attention else "round_robin"
         if self.speculative_algorithm is not None:
             self._resolve_speculative_defaults()
+
+    def _resolve_piecewise_cuda_graph(self) -> None:
+        """Prefill graphs capture the plain prefill on CUDA: the flag is ignored (one warning) on
+        CPU, under DP attention and under speculative decoding, whose prefills run eagerly."""
+        if not self.enable_piecewise_cuda_graph:
+            return
+        if self.device == "cpu":
+            reason = "on CPU: CUDA graphs need CUDA"
+        elif self.enable_dp_attention:
+            reason = "with --enable-dp-attention: prefill runs eagerly"
+        elif self.speculative_algorithm is not None:
+            reason = "with --speculative-algorithm: prefill runs eagerly"
+        else:
+            return
+        logger.warning("--enable-piecewise-cuda-graph is ignored %s", reason)
+        self.enable_piecewise_cuda_graph = False
 
     def _fall_back_from_flashinfer(self, fallback: str) -> None:
         """SGLang command lines name flashinfer; this server has no flashinfer backend, so they

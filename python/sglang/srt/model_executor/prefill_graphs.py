@@ -8,9 +8,9 @@ requests replays the smallest bucket that holds it: its requests fill rows 0..bs
 it are empty requests (no tokens, no KV). So a bucket holds the batch when n <= T and
 bs + (1 if n < T else 0) <= R.
 
-Only the plain target prefill is captured: not under DP attention (every rank would have to
-replay one key chosen from the plan) and not under speculative decoding (its prefills keep
-hidden states for the draft, and its runners capture their own modes).
+Only the plain target prefill is captured: ServerArgs turns --enable-piecewise-cuda-graph off
+under DP attention (every rank would have to replay one key chosen from the plan) and under
+speculative decoding (its prefills keep hidden states for the draft).
 """
 
 from __future__ import annotations
@@ -80,10 +80,9 @@ def prefill_token_buckets(given: Optional[Sequence[int]], max_tokens: Optional[i
 
 def prefill_ragged_tokens(args: ServerArgs, limit: int, max_running_requests: int) -> Optional[RaggedTokens]:
     """The prefill graphs this server captures (limit: see prefill_token_buckets), or None: the
-    flag is off, DP attention or speculative decoding is on, or no bucket is left. A batch
-    holds at most max_running_requests requests, so no graph has rows for more (and the
-    padding request)."""
-    if not args.enable_piecewise_cuda_graph or args.enable_dp_attention or args.speculative_algorithm is not None:
+    flag is off, or no bucket is left. A batch holds at most max_running_requests requests, so
+    no graph has rows for more (and the padding request)."""
+    if not args.enable_piecewise_cuda_graph:
         return None
     buckets = prefill_token_buckets(args.piecewise_cuda_graph_tokens, args.piecewise_cuda_graph_max_tokens, limit)
     return RaggedTokens(tuple(buckets), min(MAX_ROWS, max_running_requests + 1)) if buckets else None
