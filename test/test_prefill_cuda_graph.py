@@ -16,6 +16,7 @@ from unittest import mock
 import pytest
 import torch
 from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.mem_cache.memory_pool import DUMMY_KV_SLOT, DUMMY_REQ_ROW, ReqToTokenPool
 from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, CudaGraphRunner, GraphKey, ModeKey, StaticInputs
 from sglang.srt.model_executor.model_runner import ModelRunner
@@ -392,6 +393,31 @@ def _check_cases_replay_like_eager(runner: ModelRunner, tol: float) -> None:
         assert graphs.num_replays == replays + 1, case
         _assert_same_greedy(logits, eager, tol)
         _assert_kv_like_eager(runner, fb, before, after, tol)
+
+
+def _tp2_worker(rank: int, world: int, path: str) -> None:
+    """One of two TP ranks (gloo): the cases through emulated prefill graphs, whose captured work
+    holds the TP all-reduces and the logits' all-gather, equal eager on this rank."""
+    _patch_interpreter()
+    from sglang.srt.distributed.parallel_state import initialize_model_parallel
+
+    initialize_model_parallel(world, rank)
+    args = ServerArgs(
+        model_path=path, device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=16,
+        attention_backend="triton", disable_cuda_graph=True, tp_size=world,
+    )
+    runner = ModelRunner(ModelConfig(path, dtype="float32", device="cpu"), args, gpu_id=0, tp_rank=rank, tp_size=world)
+    runner.graph_runner = CudaGraphRunner(runner, {ModeKey(EXTEND): PREFILL}, [1], False)
+    emulated_capture(runner.graph_runner)
+    _check_cases_replay_like_eager(runner, 1e-4)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess (two gloo ranks)")
+@pytest.mark.parametrize("model", ["llama", "deepseek_v3"])
+def test_graph_path_matches_eager_tp2(model_dirs, model):
+    from sglang.test.dist_utils import spawn_gloo
+
+    spawn_gloo(_tp2_worker, 2, model_dirs[model])
 
 
 def _reads_outside_native_moe(counter: SyncCounter) -> int:
