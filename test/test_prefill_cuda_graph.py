@@ -18,7 +18,14 @@ import torch
 from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.mem_cache.memory_pool import DUMMY_KV_SLOT, DUMMY_REQ_ROW, ReqToTokenPool
-from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, CudaGraphRunner, GraphKey, ModeKey, StaticInputs
+from sglang.srt.model_executor.cuda_graph_runner import (
+    CapturedMode,
+    CudaGraphCaptureError,
+    CudaGraphRunner,
+    GraphKey,
+    ModeKey,
+    StaticInputs,
+)
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.prefill_graphs import (
     RaggedTokens,
@@ -288,7 +295,6 @@ def _assert_same_greedy(got: torch.Tensor, want: torch.Tensor, tol: float) -> No
 # requests, 11 new tokens) in 16, a second chunk of exactly 8 in 8 (empty rows only), a full
 # bucket (4 x 4 tokens in 16: nothing padded), and a long prompt of 100 + 5 in 128 (a request
 # longer than one 64-row query block of the extend kernel).
-CASES = PREFILL_CASES
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +307,7 @@ def test_padded_prefill_matches_unpadded_eager(model_dirs, model):
     """The padding StaticInputs adds (a padding request, empty rows) changes neither the real
     requests' logits nor any real KV slot (reference attention, host lengths padded too)."""
     runner = make_runner(model_dirs[model], "cpu", "float32")
-    for case in CASES:
+    for case in PREFILL_CASES:
         *warm, fb = case_batches(runner, case)
         for batch in warm:
             runner.forward_eager(batch)
@@ -383,7 +389,7 @@ def _check_cases_replay_like_eager(runner: ModelRunner, tol: float) -> None:
     """Each case's last batch replays one graph through ModelRunner.forward and gives eager's
     logits (greedy tokens) and KV."""
     graphs = runner.graph_runner
-    for case in CASES:
+    for case in PREFILL_CASES:
         *warm, fb = case_batches(runner, case)
         for batch in warm:
             runner.forward_eager(batch)
@@ -483,7 +489,7 @@ def test_graph_path_validation_script_equality_check(model_dirs, capsys):
     emulated_capture(runner.graph_runner)
     assert script.check_equal(runner, "tiny_llama")
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["case"] for r in rows] == list(CASES) and all(r["replayed"] and r["greedy_equal"] for r in rows)
+    assert [r["case"] for r in rows] == list(PREFILL_CASES) and all(r["replayed"] and r["greedy_equal"] for r in rows)
 
 
 @contextmanager
@@ -555,3 +561,17 @@ def test_prefill_graph_replay_matches_eager(model_dirs, model, dtype):
     assert sorted(k.num_tokens for k in graphs.graphs if k.mode == EXTEND) == list(RAGGED.buckets)
     assert sorted(k.batch_size for k in graphs.graphs if k.mode == DECODE) == [1, 2, 4]
     _check_cases_replay_like_eager(runner, 1e-3 if dtype == "float32" else 3e-2)
+
+
+@needs_cuda
+def test_prefill_capture_out_of_memory_names_the_prefill_flags(model_dirs, monkeypatch):
+    capture_one = CudaGraphRunner._capture_one
+
+    def oom_on_prefill(graphs, key, *args):
+        if key.mode == EXTEND:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return capture_one(graphs, key, *args)
+
+    monkeypatch.setattr(CudaGraphRunner, "_capture_one", oom_on_prefill)
+    with pytest.raises(CudaGraphCaptureError, match="--piecewise-cuda-graph-max-tokens"):
+        make_runner(model_dirs["llama"], "cuda", "float32", cuda_graph_bs=[1, 2], enable_piecewise_cuda_graph=True)
