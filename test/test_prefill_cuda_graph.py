@@ -18,14 +18,7 @@ import torch
 from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.mem_cache.memory_pool import DUMMY_KV_SLOT, DUMMY_REQ_ROW, ReqToTokenPool
-from sglang.srt.model_executor.cuda_graph_runner import (
-    CapturedMode,
-    CudaGraphCaptureError,
-    CudaGraphRunner,
-    GraphKey,
-    ModeKey,
-    StaticInputs,
-)
+from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, CudaGraphCaptureError, CudaGraphRunner, GraphKey, ModeKey, StaticInputs
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.prefill_graphs import (
     RaggedTokens,
