@@ -43,9 +43,9 @@ GROUPS = [
 ]
 
 
-def greedy_tokens(model_path: str, dtype: str, graphs: bool) -> list[list[int]]:
-    extra = GRAPH_ARGS if graphs else {"disable_cuda_graph": True}
-    engine = sgl.Engine(model_path=model_path, dtype=dtype, random_seed=0, log_level="warning", **extra)
+def greedy_tokens(model_path: str, dtype: str, engine_args: dict) -> list[list[int]]:
+    """The greedy tokens of GROUPS' requests, group after group, through an engine of engine_args."""
+    engine = sgl.Engine(model_path=model_path, dtype=dtype, random_seed=0, log_level="warning", **engine_args)
     try:
         params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
         return [o["output_ids"] for group in GROUPS for o in engine.generate(input_ids=group, sampling_params=params)]
@@ -63,8 +63,8 @@ def check_correctness(models: dict[str, Callable[[str], str]]) -> bool:
         path = make(tempfile.mkdtemp(prefix=f"graph-{name}-"))
         for dtype in ("float32", "bfloat16"):
             start = time.perf_counter()
-            eager = greedy_tokens(path, dtype, graphs=False)
-            graph = greedy_tokens(path, dtype, graphs=True)
+            eager = greedy_tokens(path, dtype, {"disable_cuda_graph": True})
+            graph = greedy_tokens(path, dtype, GRAPH_ARGS)
             bad = [i for i, (e, g) in enumerate(zip(eager, graph)) if e != g]
             ok &= not bad
             status = "IDENTICAL" if not bad else f"DIFFERENT in requests {bad}"

@@ -48,7 +48,9 @@ def test_outputs_that_differ_fail_startup_loudly(perfect_deepseek_v3_dir, monkey
         return outputs
 
     monkeypatch.setattr(accept_check, "_run_pass", spec_pass_off_by_one)
-    with pytest.raises(AcceptCheckFailed, match="--speculative-accept-check failed: DP0 eager: accept length 4.00, outputs DIFFER FROM"):
+    with pytest.raises(
+        AcceptCheckFailed, match="--speculative-accept-check failed: DP0 eager: accept length 4.00, outputs DIFFER FROM"
+    ):
         start_scheduler(_args(perfect_deepseek_v3_dir))
 
 
@@ -120,8 +122,13 @@ def test_adaptive_tiers_pass_the_check_and_start_afresh(perfect_deepseek_v3_dir,
     included, which has no verify cycles) leave serving at the starting tier with no usage."""
     caplog.set_level(logging.INFO, logger=accept_check.__name__)
     args = ServerArgs(
-        model_path=perfect_deepseek_v3_dir, device="cpu", dtype="float32", speculative_algorithm="NEXTN",
-        speculative_accept_check=True, speculative_adaptive=True, speculative_adaptive_schedule="5:1,1:2",
+        model_path=perfect_deepseek_v3_dir,
+        device="cpu",
+        dtype="float32",
+        speculative_algorithm="NEXTN",
+        speculative_accept_check=True,
+        speculative_adaptive=True,
+        speculative_adaptive_schedule="5:1,1:2",
     )
     scheduler = start_scheduler(args)
     lines = [r.getMessage() for r in caplog.records if r.name == accept_check.__name__]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from sglang.srt.layers.attention import create_attention_backend

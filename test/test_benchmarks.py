@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-
 import csv
 import importlib.util
 import json
@@ -51,8 +50,26 @@ def trained(tiny_llama_unsharded_dir, tmp_path_factory) -> dict[str, str]:
     llama = tiny_llama_unsharded_dir
     out = str(tmp_path_factory.mktemp("trained") / "out")
     train_tiny_models.main(
-        ["--out", out, "--device", "cpu", "--max-steps", "2", "--shape", "tiny", "--vocab-size", "320",
-         "--seq-len", "32", "--batch-size", "2", "--max-files", "20", "--eagle-target", llama]
+        [
+            "--out",
+            out,
+            "--device",
+            "cpu",
+            "--max-steps",
+            "2",
+            "--shape",
+            "tiny",
+            "--vocab-size",
+            "320",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "2",
+            "--max-files",
+            "20",
+            "--eagle-target",
+            llama,
+        ]
     )
     return {
         "llama": llama,
@@ -66,8 +83,16 @@ def trained(tiny_llama_unsharded_dir, tmp_path_factory) -> dict[str, str]:
 def server(trained):
     proc = popen_launch_server(
         trained["llama"],
-        ["--device", "cpu", "--dtype", "float32", "--speculative-algorithm", "EAGLE",
-         "--speculative-draft-model-path", trained["eagle"]],
+        [
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--speculative-algorithm",
+            "EAGLE",
+            "--speculative-draft-model-path",
+            trained["eagle"],
+        ],
     )
     yield proc
     kill_server(proc)
@@ -81,8 +106,15 @@ def test_deepseek_checkpoint_has_mtp_layer_in_deepseek_layout(trained):
         names = set(f.keys())
         assert torch.equal(f.get_tensor(f"model.layers.{n}.shared_head.head.weight"), f.get_tensor("lm_head.weight"))
     mtp = f"model.layers.{n}."
-    for extra in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "embed_tokens.weight",
-                  "self_attn.kv_a_proj_with_mqa.weight", "mlp.gate.weight"):
+    for extra in (
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "shared_head.norm.weight",
+        "embed_tokens.weight",
+        "self_attn.kv_a_proj_with_mqa.weight",
+        "mlp.gate.weight",
+    ):
         assert mtp + extra in names
     assert not any(name.startswith(f"model.layers.{n + 1}.") for name in names)
 
@@ -92,7 +124,7 @@ def test_trained_deepseek_nextn_matches_transformers_greedy(trained):
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompt = tokenizer.encode("import os\ndef main(")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(prompt) :].tolist()
     with sgl.Engine(model_path=path, device="cpu", dtype="float32", speculative_algorithm="NEXTN") as engine:
         out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
         accept = engine.get_server_info()["internal_states"][0]["avg_spec_accept_length"]
@@ -160,8 +192,9 @@ def test_mmlu_script_scores_the_servers_answers(server, trained, tmp_path):
     data = _write_mmlu(tmp_path / "mmlu")
     port = server.base_url.rsplit(":", 1)[1]
     result_file = str(tmp_path / "result.jsonl")
-    result = mmlu.main(["--data_dir", data, "--nsub", "2", "--ntrain", "2", "--parallel", "3",
-                        "--port", port, "--result-file", result_file])
+    result = mmlu.main(
+        ["--data_dir", data, "--nsub", "2", "--ntrain", "2", "--parallel", "3", "--port", port, "--result-file", result_file]
+    )
     # Score the same prompts independently from the server's raw answers.
     tokenizer = AutoTokenizer.from_pretrained(trained["llama"])
     correct = []
@@ -181,8 +214,22 @@ def test_mmlu_script_scores_the_servers_answers(server, trained, tmp_path):
 def test_bench_serving_random_prompts(server, tmp_path):
     out_file = str(tmp_path / "serving.jsonl")
     args = bench_serving.get_parser().parse_args(
-        ["--base-url", server.base_url, "--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "5",
-         "--random-range-ratio", "1", "--max-concurrency", "2", "--output-file", out_file]
+        [
+            "--base-url",
+            server.base_url,
+            "--num-prompts",
+            "4",
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "5",
+            "--random-range-ratio",
+            "1",
+            "--max-concurrency",
+            "2",
+            "--output-file",
+            out_file,
+        ]
     )
     m = bench_serving.run_benchmark(args)
     assert m["completed"] == 4 and m["total_output_tokens"] == 20 and m["total_input_tokens"] == 32
@@ -216,8 +263,21 @@ def test_bench_serving_file_prompts_at_a_request_rate(server, trained, tmp_path)
     path = tmp_path / "prompts.jsonl"
     path.write_text(json.dumps({"prompt": heldout[0][:60]}) + "\n" + json.dumps({"prompt": "def f(x):", "output_len": 2}) + "\n")
     args = bench_serving.get_parser().parse_args(
-        ["--base-url", server.base_url, "--dataset-name", "file", "--dataset-path", str(path),
-         "--num-prompts", "3", "--random-output-len", "3", "--request-rate", "20", "--flush-cache"]
+        [
+            "--base-url",
+            server.base_url,
+            "--dataset-name",
+            "file",
+            "--dataset-path",
+            str(path),
+            "--num-prompts",
+            "3",
+            "--random-output-len",
+            "3",
+            "--request-rate",
+            "20",
+            "--flush-cache",
+        ]
     )
     m = bench_serving.run_benchmark(args)
     assert m["completed"] == 3 and m["total_output_tokens"] == 3 + 2 + 3 and m["total_input_tokens"] > 3
@@ -229,9 +289,27 @@ def test_serving_pipeline_benchmark_streams_every_token(trained, tmp_path, token
     its tokens (4 per step: a speculative cycle's messages, the last one cut at the output
     length), and the figures are measured (CPU time per token of both processes)."""
     result_file = tmp_path / "pipeline.jsonl"
-    cmd = [sys.executable, os.path.join(REPO, "benchmark/bench_serving_pipeline.py"), "--model-path", trained["llama"],
-           "--step-ms", "2", "--tokens-per-step", str(tokens_per_step), "--concurrency", "1", "3", "--num-prompts", "6",
-           "--input-len", "8", "--output-len", "6", "--result-file", str(result_file)]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "benchmark/bench_serving_pipeline.py"),
+        "--model-path",
+        trained["llama"],
+        "--step-ms",
+        "2",
+        "--tokens-per-step",
+        str(tokens_per_step),
+        "--concurrency",
+        "1",
+        "3",
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "8",
+        "--output-len",
+        "6",
+        "--result-file",
+        str(result_file),
+    ]
     subprocess.run(cmd, check=True, timeout=300, capture_output=True)
     rows = [json.loads(line) for line in result_file.read_text().splitlines()]
     assert [(r["concurrency"], r["completed"], r["num_prompts"]) for r in rows] == [(1, 1, 1), (3, 6, 6)]
@@ -245,8 +323,23 @@ def test_serving_pipeline_benchmark_streams_every_token(trained, tmp_path, token
 def test_bench_one_batch_on_tiny_llama(trained, tmp_path):
     result_file = str(tmp_path / "one_batch.jsonl")
     rows = bench_one_batch.main(
-        ["--model-path", trained["llama"], "--device", "cpu", "--dtype", "float32", "--batch-size", "1", "3",
-         "--input-len", "12", "--output-len", "4", "--result-filename", result_file]
+        [
+            "--model-path",
+            trained["llama"],
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--batch-size",
+            "1",
+            "3",
+            "--input-len",
+            "12",
+            "--output-len",
+            "4",
+            "--result-filename",
+            result_file,
+        ]
     )
     assert [r["batch_size"] for r in rows] == [1, 3]
     assert all(r["prefill_latency"] > 0 and r["median_decode_throughput"] > 0 for r in rows)
@@ -256,18 +349,29 @@ def test_bench_one_batch_on_tiny_llama(trained, tmp_path):
 def test_spec_sweep_table():
     sweep = _load_script("benchmark/spec_sweep.py")
     assert sweep.parse_config("3,4,8") == (3, 4, 8)
-    assert sweep.parse_config("adaptive:1,3,5") == sweep.Adaptive((1, 3, 5)) and sweep.parse_config("adaptive") == sweep.Adaptive()
+    assert (
+        sweep.parse_config("adaptive:1,3,5") == sweep.Adaptive((1, 3, 5)) and sweep.parse_config("adaptive") == sweep.Adaptive()
+    )
     args = argparse.Namespace(speculative_algorithm="NEXTN", speculative_draft_model_path=None)
     assert sweep.server_flags(args, sweep.Adaptive((1, 3))) == [
-        "--speculative-algorithm", "NEXTN", "--speculative-adaptive", "--speculative-adaptive-steps", "1,3"
+        "--speculative-algorithm",
+        "NEXTN",
+        "--speculative-adaptive",
+        "--speculative-adaptive-steps",
+        "1,3",
     ]
 
     def row(accept, throughput, tpot, concurrency):
         return {"accept_length": accept, "output_throughput": throughput, "median_tpot_ms": tpot, "max_concurrency": concurrency}
 
-    rows = [(None, row(None, 100.0, 10.0, 1)), (None, row(None, 900.0, 30.0, 32)),
-            ((3, 1, 4), row(2.5, 180.0, 5.5, 1)), ((3, 1, 4), row(2.5, 1350.0, 20.0, 32)),
-            ((1, 1, 2), row(1.7, 150.0, 6.0, 1)), (sweep.Adaptive((1, 3)), row(2.4, 171.0, 5.7, 1))]
+    rows = [
+        (None, row(None, 100.0, 10.0, 1)),
+        (None, row(None, 900.0, 30.0, 32)),
+        ((3, 1, 4), row(2.5, 180.0, 5.5, 1)),
+        ((3, 1, 4), row(2.5, 1350.0, 20.0, 32)),
+        ((1, 1, 2), row(1.7, 150.0, 6.0, 1)),
+        (sweep.Adaptive((1, 3)), row(2.4, 171.0, 5.7, 1)),
+    ]
     rows[3][1]["prefill_batches"] = 7
     rows[5][1]["tier_cycles"] = {3: 40, 1: 2}
     lines = sweep.table(rows).splitlines()
@@ -285,7 +389,10 @@ def test_spec_sweep_reports_the_median_pass():
     assert median["output_throughput"] == 900.0 and median["prefill_batches"] == 9  # lower middle of four
     assert median["pass_throughputs"] == [900.0, 1200.0, 1000.0, 800.0]
     row = {**sweep.median_pass(passes[:3]), "accept_length": 1.7, "median_tpot_ms": 1.0, "max_concurrency": 32}
-    assert sweep.table([((1, 1, 2), row)]).splitlines()[2] == "| 1 | 1 | 2 | 32 | 1.70 | 1000.0 (900-1200) | 1.00 | 7 | - | 1.00x | - |"
+    assert (
+        sweep.table([((1, 1, 2), row)]).splitlines()[2]
+        == "| 1 | 1 | 2 | 32 | 1.70 | 1000.0 (900-1200) | 1.00 | 7 | - | 1.00x | - |"
+    )
     with pytest.raises(SystemExit):
         sweep.main(["--model-path", "m", "--speculative-algorithm", "NEXTN", "--configs", "1,1,2", "--recorded-passes", "0"])
 
@@ -300,9 +407,18 @@ def test_spec_sweep_counts_prefill_batches(tmp_path):
 def test_bench_launch_times_the_wrappers_with_launches_stubbed():
     pytest.importorskip("triton")
     out = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmark/kernels/bench_launch.py"), "--stub-launch", "--calls", "5",
-         "--repeats", "1"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            os.path.join(REPO, "benchmark/kernels/bench_launch.py"),
+            "--stub-launch",
+            "--calls",
+            "5",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     rows = [line.rsplit(None, 1) for line in out.stdout.splitlines()[1:]]
@@ -312,11 +428,37 @@ def test_bench_launch_times_the_wrappers_with_launches_stubbed():
 def test_host_overhead_counts_ops_by_part():
     """--count-ops: a NEXTN cycle's ops fall to the model, each program's own work and the host."""
     out = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmark/host_overhead.py"), "--tiny-deepseek", "--batch-sizes", "1",
-         "--iterations", "4", "--repeats", "1", "--warmup", "2", "--count-ops", "--",
-         "--device", "cpu", "--dtype", "float32", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
-         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"],
-        capture_output=True, text=True, timeout=600, check=True,
+        [
+            sys.executable,
+            os.path.join(REPO, "benchmark/host_overhead.py"),
+            "--tiny-deepseek",
+            "--batch-sizes",
+            "1",
+            "--iterations",
+            "4",
+            "--repeats",
+            "1",
+            "--warmup",
+            "2",
+            "--count-ops",
+            "--",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--speculative-algorithm",
+            "NEXTN",
+            "--speculative-num-steps",
+            "3",
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     )
     ops = json.loads(out.stdout.strip().splitlines()[-1])["ops_per_iter"]
     assert set(ops) == {"model", "DecodeCycle", "DraftLoop", "VerifyProgram", "DraftExtendProgram", "host"}

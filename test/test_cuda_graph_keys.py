@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.cuda_graph_runner import (
@@ -116,10 +117,16 @@ def test_static_inputs_load_several_tokens_per_request():
 
     def batch(rows: list[int], seq_lens: list[int], tokens: list[int], slots: list[int]) -> ForwardBatch:
         return ForwardBatch(
-            mode=verify, batch_size=len(rows), input_ids=t(tokens),
-            positions=t([s - 2 + j for s in seq_lens for j in range(2)]), out_cache_loc=t(slots),
-            req_pool_indices=t(rows), seq_lens=t(seq_lens), extend_seq_lens=t([2] * len(rows)),
-            seq_lens_cpu=list(seq_lens), extend_seq_lens_cpu=[2] * len(rows),
+            mode=verify,
+            batch_size=len(rows),
+            input_ids=t(tokens),
+            positions=t([s - 2 + j for s in seq_lens for j in range(2)]),
+            out_cache_loc=t(slots),
+            req_pool_indices=t(rows),
+            seq_lens=t(seq_lens),
+            extend_seq_lens=t([2] * len(rows)),
+            seq_lens_cpu=list(seq_lens),
+            extend_seq_lens_cpu=[2] * len(rows),
         )
 
     inputs.load(batch([5, 6, 7], [9, 9, 9], [11] * 6, list(range(40, 46))), GraphKey(verify, 4, 2), mode)
@@ -135,10 +142,17 @@ def test_static_inputs_load_several_tokens_per_request():
 def test_padding_batch_resets_the_lengths_of_other_keys():
     """Capture order mixes token counts (verify and draft extend: 4 per request; draft steps:
     1, with trees of 1 and 2 columns): each captured batch has its own key's lengths."""
-    modes = {ModeKey(ForwardMode.TARGET_VERIFY): CapturedMode(4, (4,)), ModeKey(ForwardMode.DRAFT_DECODE): CapturedMode(1, (1, 2))}
+    modes = {
+        ModeKey(ForwardMode.TARGET_VERIFY): CapturedMode(4, (4,)),
+        ModeKey(ForwardMode.DRAFT_DECODE): CapturedMode(1, (1, 2)),
+    }
     inputs = StaticInputs(max_bs=4, max_tokens_per_req=4, device="cpu", max_tree_cols=4)
-    keys = [GraphKey(ForwardMode.TARGET_VERIFY, 4, 4, 4), GraphKey(ForwardMode.DRAFT_DECODE, 4, 1, 2),
-            GraphKey(ForwardMode.DRAFT_DECODE, 2, 1, 1), GraphKey(ForwardMode.TARGET_VERIFY, 2, 4, 4)]
+    keys = [
+        GraphKey(ForwardMode.TARGET_VERIFY, 4, 4, 4),
+        GraphKey(ForwardMode.DRAFT_DECODE, 4, 1, 2),
+        GraphKey(ForwardMode.DRAFT_DECODE, 2, 1, 1),
+        GraphKey(ForwardMode.TARGET_VERIFY, 2, 4, 4),
+    ]
     for key in keys:
         fb = inputs.padding_batch(key, modes[key.mode_key])
         assert lengths_agree(fb), key

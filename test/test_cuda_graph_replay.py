@@ -9,6 +9,7 @@ from typing import Optional
 
 import pytest
 import torch
+
 from sglang.srt.batch.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.model_executor.cuda_graph_runner import (
@@ -21,7 +22,7 @@ from sglang.srt.model_executor.cuda_graph_runner import (
 )
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
-from sglang.test.graph_batches import PLAIN, decode_fb
+from sglang.test.graph_batches import PLAIN, decode_fb, kv_restore, kv_snapshot, make_runner
 from sglang.test.triton_harness import INTERPRETED, patch_interpreter_for_numpy2, rerun_under_interpreter
 
 DECODE = ForwardMode.DECODE
@@ -31,13 +32,6 @@ SPEC_MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_cud
 
 
 # ---------------------------------------------------------------------- padded batches through a model
-def make_runner(path: str, device: str, dtype: str, **args) -> ModelRunner:
-    server_args = ServerArgs(
-        model_path=path, device=device, dtype=dtype, max_total_tokens=2048, max_running_requests=16, **args
-    )
-    return ModelRunner(ModelConfig(path, dtype=dtype, device=device), server_args, gpu_id=0)
-
-
 class HandDriver:
     """Requests driven through a ModelRunner by hand: one prefill, then decode batches.
     Under DP attention the prefill needs every DP rank's token count."""
@@ -56,7 +50,7 @@ class HandDriver:
         fb = ForwardBatch(
             mode=ForwardMode.EXTEND,
             batch_size=len(prompts),
-            input_ids=t(sum(prompts, [])),
+            input_ids=t([tok for p in prompts for tok in p]),
             positions=t([i for n in lens for i in range(n)]),
             out_cache_loc=slots.to(self.device),
             req_pool_indices=t(self.rows),
@@ -84,31 +78,14 @@ class HandDriver:
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8], [11, 4, 6, 1, 9, 2, 10]]
 
 
-def _kv_buffers(runner: ModelRunner) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for i in range(runner.num_kv_layers):
-        kv = runner.kv_pool.get_kv_buffer(i)
-        out += list(kv) if isinstance(kv, tuple) else [kv]
-    return out
-
-
-def _kv_snapshot(runner: ModelRunner) -> list[torch.Tensor]:
-    return [t.clone() for t in _kv_buffers(runner)]
-
-
 def _key_and_eager_logits(graphs: CudaGraphRunner, runner: ModelRunner, fb: ForwardBatch):
     """The graph key fb would replay, and its eager logits (the KV it wrote undone)."""
     runner.attach(fb)
     key = graphs.key_for(fb)
-    before = _kv_snapshot(runner)
+    before = kv_snapshot(runner)
     eager = runner.forward_eager(fb).next_token_logits
-    _kv_restore(runner, before)
+    kv_restore(runner, before)
     return key, eager
-
-
-def _kv_restore(runner: ModelRunner, snapshot: list[torch.Tensor]) -> None:
-    for buf, saved in zip(_kv_buffers(runner), snapshot):
-        buf.copy_(saved)
 
 
 def test_padded_decode_batch_matches_unpadded_eager(tiny_llama_dir):
@@ -117,10 +94,10 @@ def test_padded_decode_batch_matches_unpadded_eager(tiny_llama_dir):
     assert runner.graph_runner is None  # graphs are off on CPU
     driver = HandDriver(runner, PROMPTS)
     fb = driver.decode_batch()
-    before = _kv_snapshot(runner)
+    before = kv_snapshot(runner)
     eager = runner.forward_eager(fb).next_token_logits
-    after_eager = _kv_snapshot(runner)
-    _kv_restore(runner, before)
+    after_eager = kv_snapshot(runner)
+    kv_restore(runner, before)
     padded = StaticInputs(8, 1, "cpu").load(fb, GraphKey(DECODE, 8, 1), PLAIN)
     logits = runner.forward_eager(padded).next_token_logits
     assert logits.shape[0] == 8
@@ -129,7 +106,7 @@ def test_padded_decode_batch_matches_unpadded_eager(tiny_llama_dir):
     untouched = torch.ones(before[0].shape[0], dtype=torch.bool)
     untouched[written] = False
     untouched[PAD_KV_SLOT] = False
-    for got, old, want in zip(_kv_snapshot(runner), before, after_eager):
+    for got, old, want in zip(kv_snapshot(runner), before, after_eager):
         assert torch.equal(got[untouched], old[untouched])  # padded rows wrote only the dummy slot
         torch.testing.assert_close(got[written], want[written], rtol=1e-5, atol=1e-5)
 
@@ -169,8 +146,16 @@ def _dp_captured_work_worker(rank: int, world: int, path: str) -> None:
 
     initialize_model_parallel(2, rank, dp_size=2, enable_dp_attention=True)
     args = ServerArgs(
-        model_path=path, device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=16,
-        attention_backend="triton", disable_cuda_graph=True, tp_size=2, dp_size=2, enable_dp_attention=True,
+        model_path=path,
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=2048,
+        max_running_requests=16,
+        attention_backend="triton",
+        disable_cuda_graph=True,
+        tp_size=2,
+        dp_size=2,
+        enable_dp_attention=True,
     )
     runner = ModelRunner(ModelConfig(path, dtype="float32", device="cpu"), args, gpu_id=0, tp_rank=rank, tp_size=2)
     graphs = CudaGraphRunner(runner, {ModeKey(DECODE): PLAIN}, [1, 2, 4], disable_padding=False, dp_size=2)

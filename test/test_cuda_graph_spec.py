@@ -12,6 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
+
 from sglang.srt.batch.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, GraphKey
 from sglang.srt.model_executor.model_runner import ModelRunner
@@ -79,8 +80,14 @@ SPEC_MAX_NEW = [10, 4, 7]  # finishing at different cycles: batches of 3, 2, 1 r
 
 def _spec_args(path: str, **args) -> ServerArgs:
     return ServerArgs(
-        model_path=path, device="cpu", dtype="float32", attention_backend="triton", max_total_tokens=1024,
-        max_running_requests=4, disable_radix_cache=True, **args,
+        model_path=path,
+        device="cpu",
+        dtype="float32",
+        attention_backend="triton",
+        max_total_tokens=1024,
+        max_running_requests=4,
+        disable_radix_cache=True,
+        **args,
     )
 
 
@@ -105,7 +112,10 @@ def _spec_greedy(
 
 # Greedy batches run each cycle as one graph (DECODE_CYCLE); logprobs need the verify logits,
 # so those batches replay the draft loop's, the verify's and the draft extend's graphs instead.
-_CYCLE_GRAPHS = {False: {ForwardMode.DECODE_CYCLE}, True: {ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE, ForwardMode.DRAFT_EXTEND}}
+_CYCLE_GRAPHS = {
+    False: {ForwardMode.DECODE_CYCLE},
+    True: {ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE, ForwardMode.DRAFT_EXTEND},
+}
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -143,8 +153,11 @@ def test_captured_work_matches_eager_adaptive(partial_deepseek_v3_dir):
     graphs hold no other tier's programs."""
     path = partial_deepseek_v3_dir
     spec = dict(
-        speculative_algorithm="NEXTN", speculative_adaptive=True, speculative_adaptive_steps="1,3,5",
-        speculative_num_steps=3, speculative_adaptive_schedule="3:2,1:2,5:2",
+        speculative_algorithm="NEXTN",
+        speculative_adaptive=True,
+        speculative_adaptive_steps="1,3,5",
+        speculative_num_steps=3,
+        speculative_adaptive_schedule="3:2,1:2,5:2",
     )
     args = _spec_args(path, **spec)
     eager_ids, eager_accept = _spec_greedy(args, False, SPEC_PROMPTS, SPEC_MAX_NEW)
@@ -174,6 +187,7 @@ def test_captured_work_matches_eager_spec_dp_attention(perfect_deepseek_v3_dir):
     idle rank's sub-forward graphs): the single-rank eager tokens, and accept length 4.0 on
     both DP ranks."""
     import torch.multiprocessing as mp
+
     from sglang.srt.server_args import PortArgs
 
     spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
@@ -206,13 +220,21 @@ def test_captured_work_matches_eager_adaptive_dp_attention(partial_deepseek_v3_d
     tier's sub-forward graphs (the tier is part of the key chosen from the plan), with the
     single-rank tokens."""
     import torch.multiprocessing as mp
+
     from sglang.srt.server_args import PortArgs
 
     path = partial_deepseek_v3_dir
     single, _ = _spec_greedy(_spec_args(path), False, SPEC_PROMPTS + [[30, 31, 32, 33]], [16, 4, 7, 3])
     args = _spec_args(
-        path, tp_size=2, dp_size=2, enable_dp_attention=True, speculative_algorithm="NEXTN", speculative_adaptive=True,
-        speculative_adaptive_steps="1,3,5", speculative_num_steps=3, speculative_adaptive_schedule="3:1,1:1,5:1",
+        path,
+        tp_size=2,
+        dp_size=2,
+        enable_dp_attention=True,
+        speculative_algorithm="NEXTN",
+        speculative_adaptive=True,
+        speculative_adaptive_steps="1,3,5",
+        speculative_num_steps=3,
+        speculative_adaptive_schedule="3:1,1:1,5:1",
     )
     results = mp.get_context("spawn").Manager().dict()
     mp.spawn(_dp_adaptive_worker, args=(args, PortArgs.init_new(args), results), nprocs=2)

@@ -21,6 +21,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3DecoderLayer,
+    DeepseekV3Experts,
+    DeepseekV3MoE,
+    DeepseekV3RotaryEmbedding,
+    DeepseekV3TopkRouter,
+)
+
 from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.kernels.moe.routing_config import RoutingConfig
@@ -33,15 +43,6 @@ from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MoE
 from sglang.test.model_harness import ModelHarness
 from sglang.test.tiny_deepseek import make_tiny_deepseek_v2, make_tiny_deepseek_v3
 from sglang.tools.export_nextn import main as export_main
-from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
-from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-    DeepseekV3DecoderLayer,
-    DeepseekV3Experts,
-    DeepseekV3MoE,
-    DeepseekV3RotaryEmbedding,
-    DeepseekV3TopkRouter,
-)
 
 NEXTN = ["DeepseekV3ForCausalLMNextN"]
 PROMPT_LENS = (7, 12, 3)
@@ -108,24 +109,43 @@ def _dense(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.
 @pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
 def test_v2_routing_matches_transformers(method):
     cfg = DeepseekV2Config(
-        hidden_size=32, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
-        topk_method=method, routed_scaling_factor=1.5,
+        hidden_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        topk_method=method,
+        routed_scaling_factor=1.5,
     )
     router = DeepseekV2TopkRouter(cfg)
     torch.nn.init.normal_(router.weight)
     x = torch.randn(9, 32)
     logits, ref_w, ref_ids = router(x)
-    w, ids = select_experts(logits, RoutingConfig(
-        top_k=3, num_experts=8, topk_method=method, num_expert_group=4, topk_group=2, routed_scaling_factor=1.5,
-    ))
+    w, ids = select_experts(
+        logits,
+        RoutingConfig(
+            top_k=3,
+            num_experts=8,
+            topk_method=method,
+            num_expert_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+        ),
+    )
     torch.testing.assert_close(_dense(w, ids, 8), _dense(ref_w, ref_ids, 8))
 
 
 @torch.no_grad()
 def test_v3_routing_and_experts_match_transformers():
     cfg = DeepseekV3Config(
-        hidden_size=32, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
-        norm_topk_prob=True, routed_scaling_factor=2.5, moe_intermediate_size=16,
+        hidden_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        moe_intermediate_size=16,
     )
     router = DeepseekV3TopkRouter(cfg)
     torch.nn.init.normal_(router.weight)
@@ -133,8 +153,14 @@ def test_v3_routing_and_experts_match_transformers():
     x = torch.randn(9, 32)
     logits, ref_w, ref_ids = router(x)
     routing = RoutingConfig(
-        top_k=3, num_experts=8, scoring_func="sigmoid", topk_method="noaux_tc", num_expert_group=4,
-        topk_group=2, renormalize=True, routed_scaling_factor=2.5,
+        top_k=3,
+        num_experts=8,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        num_expert_group=4,
+        topk_group=2,
+        renormalize=True,
+        routed_scaling_factor=2.5,
     )
     w, ids = select_experts(logits, routing, router.e_score_correction_bias)
     torch.testing.assert_close(_dense(w, ids, 8), _dense(ref_w, ref_ids, 8))
@@ -146,7 +172,10 @@ def test_v3_routing_and_experts_match_transformers():
     torch.testing.assert_close(moe_forward_native(x, w13, w2, w, ids), experts(x, ref_ids, ref_w))
     empty = moe_forward_native(x[:0], w13, w2, w[:0], ids[:0])
     assert empty.shape == (0, 32)
-    for cfg in (routing, RoutingConfig(top_k=3, num_experts=8, topk_method="group_limited_greedy", num_expert_group=4, topk_group=2)):
+    for cfg in (
+        routing,
+        RoutingConfig(top_k=3, num_experts=8, topk_method="group_limited_greedy", num_expert_group=4, topk_group=2),
+    ):
         assert select_experts(logits[:0], cfg, router.e_score_correction_bias)[1].shape == (0, 3)
 
 
@@ -157,8 +186,15 @@ def test_moe_with_shared_experts_matches_transformers(tp_size, monkeypatch):
     V3 routing scales the routed weights only. Each rank holds its intermediate slice of
     every expert; the ranks' partial outputs sum to the whole layer."""
     cfg = DeepseekV3Config(
-        hidden_size=32, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
-        norm_topk_prob=True, routed_scaling_factor=2.5, moe_intermediate_size=16, n_shared_experts=2,
+        hidden_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        moe_intermediate_size=16,
+        n_shared_experts=2,
     )
     hf = DeepseekV3MoE(cfg).eval()
     for param in hf.parameters():
@@ -192,7 +228,7 @@ def _hf_layer_state(mtp: dict[str, torch.Tensor], num_experts: int) -> dict[str,
     """The MTP layer's decoder-layer tensors in HF's module layout (experts stacked)."""
     head_only = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
     state = {k: v for k, v in mtp.items() if not k.startswith(head_only) and ".experts." not in k}
-    expert = lambda e, p: mtp[f"mlp.experts.{e}.{p}.weight"]  # noqa: E731
+    expert = lambda e, p: mtp[f"mlp.experts.{e}.{p}.weight"]
     state["mlp.experts.gate_up_proj"] = torch.stack(
         [torch.cat([expert(e, "gate_proj"), expert(e, "up_proj")]) for e in range(num_experts)]
     )

@@ -25,7 +25,6 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-
 import triton  # noqa: F401  (a test dependency: never skipped when missing)
 
 from sglang.srt.kernels.moe.routing_config import RoutingConfig
@@ -63,8 +62,7 @@ def test_yarn_table_is_the_on_the_fly_cos_sin():
 
 
 def test_stack_rows_is_one_gemm_over_the_layers_views():
-    from sglang.srt.layers.linear import ReplicatedLinear
-    from sglang.srt.layers.linear import stack_rows
+    from sglang.srt.layers.linear import ReplicatedLinear, stack_rows
 
     q, kv = ReplicatedLinear(8, 5, bias=False), ReplicatedLinear(8, 3, bias=True)
     weight, bias = stack_rows([q, kv])
@@ -104,27 +102,28 @@ def test_mla_rope_pack_matches_rope_and_cat(norm, broadcast, neox, num_tokens, d
         positions = torch.randint(0, 256, (1, 1), generator=gen).expand(1, num_tokens).flatten()
     for rope in _rope_modules(neox):
         q_rot, k_rot = rope.forward_native(positions, q[..., nope:], kv[:, latent_dim:].unsqueeze(1))
-        dev = lambda x: x.to(DEVICE)  # noqa: E731
+        dev = lambda x: x.to(DEVICE)
         q_out = torch.full((num_tokens, heads, latent_dim + rot), 7.0, dtype=dtype, device=DEVICE)
         if ON_CUDA:
             dev_norm = None if latent_norm is None else copy.deepcopy(latent_norm).to(DEVICE)
             k_out = mla_rope_pack(
-                rope.to(DEVICE), dev(positions), dev(q)[..., nope:], dev(kv)[:, latent_dim:], dev(latent), q_out,
+                rope.to(DEVICE),
+                dev(positions),
+                dev(q)[..., nope:],
+                dev(kv)[:, latent_dim:],
+                dev(latent),
+                q_out,
                 latent_norm=dev_norm,
             )
         else:
-            k_out = _interpreted_pack(
-                rope, positions, q[..., nope:], kv[:, latent_dim:], latent, q_out, latent_norm=latent_norm
-            )
+            k_out = _interpreted_pack(rope, positions, q[..., nope:], kv[:, latent_dim:], latent, q_out, latent_norm=latent_norm)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(q_out[..., latent_dim:].cpu(), q_rot, atol=tol, rtol=tol)
         assert torch.all(q_out[..., :latent_dim] == 7.0)  # the caller's channels are left alone
         torch.testing.assert_close(k_out.cpu(), torch.cat([want_latent, k_rot.squeeze(1)], dim=-1), atol=tol, rtol=tol)
 
 
-def _interpreted_pack(
-    rope, positions, q_pe, k_pe, latent, q_out, kv_store=None, latent_norm=None
-) -> torch.Tensor | None:
+def _interpreted_pack(rope, positions, q_pe, k_pe, latent, q_out, kv_store=None, latent_norm=None) -> torch.Tensor | None:
     """The Triton path on CPU tensors (mla_rope_pack dispatches on is_cuda)."""
     from sglang.srt.kernels.mla import mla_rope_pack_triton
 
@@ -306,7 +305,7 @@ def _check_fused_moe_with_shared(routing, num_tokens, config, dtype, hidden, int
 
     num_experts, num_shared = routing.num_experts, routing.num_shared_experts
     gen = torch.Generator().manual_seed(num_tokens + num_shared)
-    rand = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(DEVICE, dtype)  # noqa: E731
+    rand = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(DEVICE, dtype)
     x = rand(num_tokens, hidden)
     w13 = rand(num_experts + num_shared, 2 * inter, hidden, scale=hidden**-0.5)
     w2 = rand(num_experts + num_shared, hidden, inter, scale=inter**-0.5)
@@ -315,8 +314,9 @@ def _check_fused_moe_with_shared(routing, num_tokens, config, dtype, hidden, int
 
     # Reference: the routed experts, then one shared MLP of intermediate S * I whose channels
     # are the shared slots' (gate, up rows and down columns in slot order), added in dtype.
-    routed = moe_forward_native(x, w13[:num_experts], w2[:num_experts], *select_experts(
-        logits, dataclasses.replace(routing, num_shared_experts=0), bias))
+    routed = moe_forward_native(
+        x, w13[:num_experts], w2[:num_experts], *select_experts(logits, dataclasses.replace(routing, num_shared_experts=0), bias)
+    )
     gate = w13[num_experts:, :inter].reshape(-1, hidden)
     up = w13[num_experts:, inter:].reshape(-1, hidden)
     down = w2[num_experts:].permute(1, 0, 2).reshape(hidden, -1)
@@ -376,7 +376,7 @@ def test_head_matmul_matches_bmm(num_tokens, dtype):
 
     heads, nope, rope, latent, v = 4, 128, 64, 512, 128
     gen = torch.Generator().manual_seed(num_tokens)
-    rand = lambda *s: torch.randn(*s, generator=gen).to(DEVICE, dtype)  # noqa: E731
+    rand = lambda *s: torch.randn(*s, generator=gen).to(DEVICE, dtype)
     kv_b = rand(heads, nope + v, latent) * latent**-0.5
     w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
     q_nope = rand(num_tokens, heads, nope + rope)[..., :nope]

@@ -72,7 +72,10 @@ def test_unknown_method_is_refused():
 
 
 def test_default_method_depends_on_dp_attention():
-    assert ServerArgs(model_path="m", device="cpu", tp_size=2, dp_size=2, enable_dp_attention=True).load_balance_method == "minimum_tokens"
+    assert (
+        ServerArgs(model_path="m", device="cpu", tp_size=2, dp_size=2, enable_dp_attention=True).load_balance_method
+        == "minimum_tokens"
+    )
     assert ServerArgs(model_path="m", device="cpu", dp_size=2).load_balance_method == "round_robin"
 
 
@@ -138,7 +141,7 @@ def test_tp2_dp2_requests_follow_the_load(tiny_llama_dir, method, expected):
     server = popen_launch_server(tiny_llama_dir, args + ["--load-balance-method", method, "--skip-server-warmup"])
     try:
         url = server.base_url
-        generate = lambda prompt, max_new: _generate(url, prompt, max_new)  # noqa: E731
+        generate = lambda prompt, max_new: _generate(url, prompt, max_new)
         long = _start_long_request(url, 400)
         shorts = [threading.Thread(target=generate, args=([10 + i, 11, 12], 4)) for i in range(3)]
         for t in shorts:
@@ -233,7 +236,7 @@ def test_tp2_dp2_prefill_waits_for_alignment(tiny_llama_dir):
     server = popen_launch_server(tiny_llama_dir, args + ["--load-balance-method", "round_robin", "--dp-prefill-align-iters", "6"])
     try:
         url = server.base_url
-        generate = lambda prompt, max_new: _generate(url, prompt, max_new)["output_ids"]  # noqa: E731
+        generate = lambda prompt, max_new: _generate(url, prompt, max_new)["output_ids"]
         long = _start_long_request(url, 300)
         held = generate([10, 11, 12], 5)  # round robin: DP rank 1
         waits = [s["prefill_wait_iterations"] for s in _internal_states(url)]

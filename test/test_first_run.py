@@ -10,9 +10,9 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 
 import pytest
+import tomllib
 
 import sglang as sgl
 from sglang.srt.entrypoints.engine import describe_exit
@@ -57,7 +57,10 @@ def test_first_log_line_within_a_second(tmp_path):
     """The launcher says what it loads before importing torch and the server."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tmp_path / "missing")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(), text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=_env(),
+        text=True,
     )
     start = time.monotonic()
     try:
@@ -147,9 +150,21 @@ def test_skip_tokenizer_init_serves_token_ids(config_only_dir):
 
 def test_no_tokenizer_is_one_message_naming_both_flags(config_only_dir):
     proc = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", config_only_dir, "--load-format", "dummy",
-         "--device", "cpu"],
-        capture_output=True, text=True, env=_env(), timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            config_only_dir,
+            "--load-format",
+            "dummy",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
     )
     assert proc.returncode != 0
     assert proc.stderr.count("--tokenizer-path") == 1 and "--skip-tokenizer-init" in proc.stderr, proc.stderr
@@ -167,8 +182,13 @@ def test_flashinfer_falls_back_with_one_warning(caplog):
 
 def test_help_shows_every_default():
     help_text = " ".join(build_parser().format_help().split())
-    for fragment in ("--port PORT HTTP port. (default: 30000)", "(default: auto)", "(default: unset)",
-                     "Tensor-parallel size. (default: 1)", "(required)"):
+    for fragment in (
+        "--port PORT HTTP port. (default: 30000)",
+        "(default: auto)",
+        "(default: unset)",
+        "Tensor-parallel size. (default: 1)",
+        "(required)",
+    ):
         assert fragment in help_text, fragment
     for action in build_parser()._actions:
         if action.option_strings and action.dest != "help":

@@ -131,7 +131,7 @@ def test_gemv_replays_in_cuda_graph():
     w1 = torch.randn(2 * 4096, 4096, device="cuda", dtype=torch.bfloat16) * 4096**-0.5
     w2 = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) * 4096**-0.5
     configs = [c for c in CONFIGS if c.block_k >= 256]
-    chain = lambda config: gemv(gemv(rms_norm(x, norm, 1e-5), w1, None, config, gated=True), w2, None, config)  # noqa: E731
+    chain = lambda config: gemv(gemv(rms_norm(x, norm, 1e-5), w1, None, config, gated=True), w2, None, config)
     for config in configs:  # compile outside the capture
         chain(config)
     torch.cuda.synchronize()

@@ -44,9 +44,7 @@ def _decode_crossings(scheduler: Scheduler, batch_size: int) -> SyncCounter:
 
 
 def _args(path: str, **spec) -> ServerArgs:
-    return ServerArgs(
-        model_path=path, device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=8, **spec
-    )
+    return ServerArgs(model_path=path, device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=8, **spec)
 
 
 @pytest.mark.parametrize("batch_size", [1, 4])
@@ -73,8 +71,11 @@ def test_greedy_speculative_decode_cycle_reads_the_device_once(tiny_llama_dir, t
     Uploads, whatever the batch size: the table rows, the draft loop's scratch and the
     verify's slots into the table; and the allocator's host copies of the slots it frees."""
     spec = dict(
-        speculative_algorithm="EAGLE", speculative_draft_model_path=tiny_llama_eagle_head_dir, speculative_num_steps=3,
-        speculative_eagle_topk=2, speculative_num_draft_tokens=4,
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=tiny_llama_eagle_head_dir,
+        speculative_num_steps=3,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=4,
     )
     args = _args(tiny_llama_dir, disable_overlap_schedule=not overlap, **spec)
     c = _decode_crossings(start_scheduler(args), batch_size)

@@ -56,9 +56,8 @@ def warmed_up_app(tm: TokenizerManager, scheduler_info: dict):
 
 @pytest.fixture(scope="module")
 def backend():
-    with fake_backend() as (tm, fake):
-        with TestClient(warmed_up_app(tm, {"context_len": CONTEXT_LEN})) as client:
-            yield client, fake
+    with fake_backend() as (tm, fake), TestClient(warmed_up_app(tm, {"context_len": CONTEXT_LEN})) as client:
+        yield client, fake
 
 
 @pytest.fixture
@@ -269,7 +268,10 @@ BAD_OPENAI = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": -0.5}),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50},
+    ),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 0}),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": [5]}),
@@ -336,7 +338,10 @@ def test_profile_endpoints(client, tmp_path):
     assert client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
     assert client.post("/stop_profile").status_code == 200
     deadline = time.monotonic() + 60  # the files are written after the reply, each renamed into place when complete
-    while len(files := sorted(p.name for p in (tmp_path / "prof").iterdir() if ".partial." not in p.name)) < 2 and time.monotonic() < deadline:
+    while (
+        len(files := sorted(p.name for p in (tmp_path / "prof").iterdir() if ".partial." not in p.name)) < 2
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.05)
     assert [f.split("-TP0")[1] for f in files] == [".trace.json.gz", ".txt"]
     assert "sorted by self_cpu_time_total" in (tmp_path / "prof" / files[1]).read_text()
@@ -446,10 +451,18 @@ def test_outputs_queued_while_the_loop_was_busy_leave_as_one_chunk():
         push = zmq.Context.instance().socket(zmq.PUSH)
         push.connect(fake.port_args.tokenizer_ipc_name)
         for n, piece in enumerate("abcde"):
-            push.send_pyobj(BatchStrOut(
-                rids=[rid], output_strs=[piece], output_ids=[[97 + n]], output_offsets=[n], finished_reasons=[None],
-                prompt_tokens=[1], completion_tokens=[n + 1], cached_tokens=[0],
-            ))
+            push.send_pyobj(
+                BatchStrOut(
+                    rids=[rid],
+                    output_strs=[piece],
+                    output_ids=[[97 + n]],
+                    output_offsets=[n],
+                    finished_reasons=[None],
+                    prompt_tokens=[1],
+                    completion_tokens=[n + 1],
+                    cached_tokens=[0],
+                )
+            )
         time.sleep(0.2)  # the event loop is blocked meanwhile: all five messages are queued
         chunk = await first
         push.close(linger=0)
@@ -491,18 +504,28 @@ def test_batched_detokenization_equals_one_request_at_a_time():
         tok.clean_up_tokenization_spaces = clean_up
         batched, alone = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
         assert (batched.decoder.backend is None) == clean_up
-        got = {i: "" for i in range(len(seqs))}
-        want = {i: "" for i in range(len(seqs))}
+        got = dict.fromkeys(range(len(seqs)), "")
+        want = dict.fromkeys(range(len(seqs)), "")
         for n in range(max(len(x) for x in seqs)):
             live = [i for i, x in enumerate(seqs) if n < len(x)]
             finished = [{"type": "length"} if n == len(seqs[i]) - 1 else None for i in live]
-            out = batched.handle(BatchTokenIDOut(
-                rids=[str(i) for i in live], output_ids=[seqs[i][n : n + 1] for i in live], output_offsets=[n] * len(live),
-                finished_reasons=finished, prompt_tokens=[1] * len(live), completion_tokens=[n + 1] * len(live),
-                cached_tokens=[0] * len(live), skip_special_tokens=[skips[i] for i in live],
-                spaces_between_special_tokens=[True] * len(live), no_stop_trim=[False] * len(live),
-                output_token_logprobs=[None] * len(live), output_top_logprobs=[None] * len(live), spec_verify_ct=[0] * len(live),
-            ))
+            out = batched.handle(
+                BatchTokenIDOut(
+                    rids=[str(i) for i in live],
+                    output_ids=[seqs[i][n : n + 1] for i in live],
+                    output_offsets=[n] * len(live),
+                    finished_reasons=finished,
+                    prompt_tokens=[1] * len(live),
+                    completion_tokens=[n + 1] * len(live),
+                    cached_tokens=[0] * len(live),
+                    skip_special_tokens=[skips[i] for i in live],
+                    spaces_between_special_tokens=[True] * len(live),
+                    no_stop_trim=[False] * len(live),
+                    output_token_logprobs=[None] * len(live),
+                    output_top_logprobs=[None] * len(live),
+                    spec_verify_ct=[0] * len(live),
+                )
+            )
             for k, i in enumerate(live):
                 piece = alone.step(str(i), seqs[i][n : n + 1], n, finished[k], skips[i])
                 got[i] = out.output_strs[k] if finished[k] else got[i] + out.output_strs[k]

@@ -11,8 +11,9 @@ from __future__ import annotations
 import ast
 import re
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 SRT = REPO / "python" / "sglang" / "srt"

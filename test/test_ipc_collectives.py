@@ -93,7 +93,9 @@ def test_too_small_buffer_for_shared_gpu_is_a_startup_error():
 def _collectives(rank: int, world: int, results) -> None:
     comm = IpcCommunicator(rank, world, slot_bytes=16384, device=torch.device("cpu"), cpu_group=dist.group.WORLD)
     got = []
-    for i, (n, dtype) in enumerate([(1000, torch.float32), (7, torch.float16), (1, torch.float32), (0, torch.float32), (2500, torch.float32)]):
+    for i, (n, dtype) in enumerate(
+        [(1000, torch.float32), (7, torch.float16), (1, torch.float32), (0, torch.float32), (2500, torch.float32)]
+    ):
         x = (torch.arange(n, dtype=torch.float32) * (rank + 1) + i).to(dtype)
         comm.all_reduce(x)
         expected = sum((torch.arange(n, dtype=torch.float32) * (r + 1) + i) for r in range(world)).to(dtype)
@@ -134,7 +136,15 @@ def _layers_use_ipc(rank: int, world: int, results) -> None:
     ps.init_ipc_collectives(tp_slot_bytes=1024, attn_tp_slot_bytes=1024, device=torch.device("cpu"))
     by_ipc = layer(x)
     gathered = ps.get_tp().all_gather(torch.full((2, 1), float(rank)), dim=-1)
-    results.put((rank, layer.group.ipc is not None, torch.allclose(by_gloo, by_ipc), int(layer.group.ipc.counter.item()), gathered.tolist()))
+    results.put(
+        (
+            rank,
+            layer.group.ipc is not None,
+            torch.allclose(by_gloo, by_ipc),
+            int(layer.group.ipc.counter.item()),
+            gathered.tolist(),
+        )
+    )
 
 
 def test_layers_built_before_the_buffers_use_them(monkeypatch):

@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
 from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import initialize_model_parallel
@@ -19,15 +21,15 @@ from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_loader import get_model
 from sglang.test.model_harness import ModelHarness
 from sglang.test.server_utils import find_free_port
-from transformers import AutoModelForCausalLM
 
 
 def _batch(mode: ForwardMode, extend_lens: list[int], capture=CaptureHiddenMode.NULL) -> ForwardBatch:
     n = sum(extend_lens)
     lens = torch.tensor(extend_lens, dtype=torch.int64)
     z = torch.zeros(n, dtype=torch.int64)
-    return ForwardBatch(mode, len(extend_lens), z, z, z, torch.zeros(len(extend_lens), dtype=torch.int64), lens, lens,
-                        capture_hidden_mode=capture)
+    return ForwardBatch(
+        mode, len(extend_lens), z, z, z, torch.zeros(len(extend_lens), dtype=torch.int64), lens, lens, capture_hidden_mode=capture
+    )
 
 
 @pytest.fixture

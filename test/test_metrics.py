@@ -57,8 +57,22 @@ def test_per_rank_gauges():
     common = {"max_total_num_tokens": 100, "last_gen_throughput": 9.0}
     m.set_rank_states(
         [
-            {**common, "dp_rank": 0, "available_kv_tokens": 75, "num_running_reqs": 2, "num_waiting_reqs": 1, "avg_spec_accept_length": 2.5},
-            {**common, "dp_rank": 1, "available_kv_tokens": 100, "num_running_reqs": 0, "num_waiting_reqs": 0, "avg_spec_accept_length": 3.0},
+            {
+                **common,
+                "dp_rank": 0,
+                "available_kv_tokens": 75,
+                "num_running_reqs": 2,
+                "num_waiting_reqs": 1,
+                "avg_spec_accept_length": 2.5,
+            },
+            {
+                **common,
+                "dp_rank": 1,
+                "available_kv_tokens": 100,
+                "num_running_reqs": 0,
+                "num_waiting_reqs": 0,
+                "avg_spec_accept_length": 3.0,
+            },
         ]
     )
     s = _samples(m)
@@ -71,7 +85,18 @@ def test_per_rank_gauges():
     assert s[("sglang:spec_accept_length", rank(0))] == 2.5 and s[("sglang:spec_accept_length", rank(1))] == 3.0
     # A rank without speculation reports no accept length: the gauge stays absent.
     m2 = MetricsCollector("m")
-    m2.set_rank_states([{**common, "dp_rank": 0, "available_kv_tokens": 1, "num_running_reqs": 0, "num_waiting_reqs": 0, "avg_spec_accept_length": None}])
+    m2.set_rank_states(
+        [
+            {
+                **common,
+                "dp_rank": 0,
+                "available_kv_tokens": 1,
+                "num_running_reqs": 0,
+                "num_waiting_reqs": 0,
+                "avg_spec_accept_length": None,
+            }
+        ]
+    )
     assert not any(name == "sglang:spec_accept_length" for name, _ in _samples(m2))
 
 
@@ -89,7 +114,12 @@ def test_dp_balance_gauges():
 def test_adaptive_tier_gauges():
     """--speculative-adaptive: the current tier, and cycles and accept length per tier (a label)."""
     m = MetricsCollector("m")
-    state = {"dp_rank": 0, "spec_tier": 3, "spec_tier_cycles": {"1": 4, "3": 10}, "spec_tier_accept_length": {"1": 1.5, "3": 2.75}}
+    state = {
+        "dp_rank": 0,
+        "spec_tier": 3,
+        "spec_tier_cycles": {"1": 4, "3": 10},
+        "spec_tier_accept_length": {"1": 1.5, "3": 2.75},
+    }
     m.set_rank_states([state, {"dp_rank": 1}])  # rank 1 reports nothing of tiers
     s = _samples(m)
     rank0 = (("dp_rank", "0"), ("model_name", "m"))

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.model_loader import get_model
-from sglang.srt.model_loader.loader import resolve_load_format, iterate_weights
+from sglang.srt.model_loader.loader import iterate_weights, resolve_load_format
 from sglang.srt.models.registry import get_model_class
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer, resolve_model_path
 from sglang.test.model_harness import ModelHarness
@@ -134,7 +134,9 @@ def test_gguf_smollm2_greedy_matches_hf(smollm2):
     harness, hf, tokenizer = smollm2
     questions = ["What is the capital of France?", "Say hello."]
     prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         for q in questions
     ]
     ours = harness.greedy_generate(prompts, max_new_tokens=6)

@@ -112,7 +112,9 @@ def test_completions_echo_with_logprobs(client, tiny_llama_dir):
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         expected = ref[:-1].gather(1, torch.tensor(ids[1:]).view(-1, 1)).squeeze(1).tolist()
         assert lp.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-4)
-        assert [max(t.values()) for t in lp.top_logprobs[1 : len(ids)]] == pytest.approx(ref[:-1].max(-1).values.tolist(), abs=1e-4)
+        assert [max(t.values()) for t in lp.top_logprobs[1 : len(ids)]] == pytest.approx(
+            ref[:-1].max(-1).values.tolist(), abs=1e-4
+        )
         # The completion's tokens: as without echo.
         assert lp.tokens[len(ids) :] == plain.logprobs.tokens
         assert lp.token_logprobs[len(ids) :] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-4)
@@ -125,7 +127,12 @@ def test_completions_echo_with_logprobs(client, tiny_llama_dir):
 
 def test_chat_logprobs(client):
     out = client.chat.completions.create(
-        model=SERVED_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0, logprobs=True, top_logprobs=3
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
     )
     content = out.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 3 for c in content)
@@ -167,7 +174,9 @@ def test_info_endpoints(server):
     info = _get(server, "/get_server_info").json()
     assert info["served_model_name"] == SERVED_NAME and info["max_total_num_tokens"] == 2048
     (state,) = info["internal_states"]
-    assert {"dp_rank", "avg_spec_accept_length", "max_total_num_tokens", "available_kv_tokens", "last_gen_throughput"} <= set(state)
+    assert {"dp_rank", "avg_spec_accept_length", "max_total_num_tokens", "available_kv_tokens", "last_gen_throughput"} <= set(
+        state
+    )
     assert _post(server, "/flush_cache", {}).status_code == 200
     assert _get(server, "/health_generate").status_code == 200
     assert _get(server, "/metrics").status_code == 200
@@ -185,7 +194,9 @@ def test_bad_requests_do_not_hurt_the_server(server):
     for path, body in bad:
         r = _post(server, path, body)
         assert 400 <= r.status_code < 500 and r.json()["error"]["message"], (path, body, r.text)
-    r = requests.post(server.base_url + "/generate", data=b"{oops", headers={**server.headers(), "Content-Type": "application/json"})
+    r = requests.post(
+        server.base_url + "/generate", data=b"{oops", headers={**server.headers(), "Content-Type": "application/json"}
+    )
     assert r.status_code == 400 and "error" in r.json()
     assert _post(server, "/generate", {"text": "ok", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
     _assert_kv_pool_full(server)
@@ -259,5 +270,7 @@ def test_smollm2_answers_and_streams_consistently(smollm2_server):
     )
     answer = client.chat.completions.create(**kwargs).choices[0].message.content
     assert "Paris" in answer, answer
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True) if c.choices
+    )
     assert streamed == answer

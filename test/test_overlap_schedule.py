@@ -4,6 +4,7 @@ nothing a user sees changes (in-process scheduler, tiny random Llama, CPU, float
 from __future__ import annotations
 
 import pytest
+
 from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.model_executor.tp_worker import LaunchedStep
@@ -22,8 +23,11 @@ def _scheduler(path: str, overlap: bool, **kw) -> Scheduler:
 
 def _eagle(head: str) -> dict:
     return dict(
-        speculative_algorithm="EAGLE", speculative_draft_model_path=head, speculative_num_steps=3,
-        speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=head,
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
     )
 
 
@@ -149,6 +153,7 @@ def test_decode_feeds_the_tokens_in_flight_from_the_device():
     """Tokens in flight come from the step's sampled ids: as a view when every row is the step's
     same row, else gathered row by row (other order, fewer rows, some tokens on the host)."""
     import torch
+
     from sglang.srt.batch.schedule_batch import FutureTokens, Req, ScheduleBatch
 
     def reqs(in_flight: list[bool]) -> list[Req]:

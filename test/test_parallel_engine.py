@@ -80,7 +80,17 @@ def test_greedy_equals_single_rank(model_and_reference, args):
 
 def test_dp_attention_uneven_load_and_plan_sync(model_and_reference):
     path, reference = model_and_reference
-    args = ["--device", "cpu", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--load-balance-method", "round_robin"]
+    args = [
+        "--device",
+        "cpu",
+        "--tp-size",
+        "2",
+        "--dp-size",
+        "2",
+        "--enable-dp-attention",
+        "--load-balance-method",
+        "round_robin",
+    ]
     server = popen_launch_server(path, args + ["--chunked-prefill-size", "4"])
     try:
         results = {}
@@ -143,7 +153,9 @@ def test_two_nodes_on_one_machine(llama_and_reference, dp_attention):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PYTHON_DIR, os.environ.get("PYTHONPATH")])))
     node1 = subprocess.Popen(
         [sys.executable, "-m", "sglang.launch_server", "--model-path", path, *args, "--node-rank", "1"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     node1_children: list[int] = []
     try:

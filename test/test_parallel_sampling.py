@@ -115,7 +115,9 @@ def _stream_choices(chunks) -> tuple[dict[int, str], dict[int, list]]:
 @pytest.mark.parametrize("echo", [False, True], ids=["plain", "echo"])
 def test_openai_completions_stream_n(server, temperature, echo):
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
-    kwargs = dict(model="org/tiny", prompt=PROMPT, max_tokens=6, temperature=temperature, echo=echo, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model="org/tiny", prompt=PROMPT, max_tokens=6, temperature=temperature, echo=echo, extra_body={"ignore_eos": True}
+    )
     single = client.completions.create(**kwargs)
     chunks = list(client.completions.create(**kwargs, n=3, stream=True, stream_options={"include_usage": True}))
     texts, reasons = _stream_choices(chunks)
@@ -135,7 +137,10 @@ def test_openai_completions_stream_n(server, temperature, echo):
 def test_openai_chat_stream_n(server, temperature):
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
     kwargs = dict(
-        model="org/tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=6, temperature=temperature,
+        model="org/tiny",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=6,
+        temperature=temperature,
         extra_body={"ignore_eos": True},
     )
     single = client.chat.completions.create(**kwargs)

@@ -34,7 +34,10 @@ def test_every_dp_rank_profiles_and_stops_after_num_steps(tiny_llama_dir, tmp_pa
         names = _wait_for_files(out, 4)
         # Both ranks (one of them idle) stopped by themselves after 3 iterations.
         assert [n.split("-", 2)[2] for n in names] == [
-            "DP0-TP0.trace.json.gz", "DP0-TP0.txt", "DP1-TP1.trace.json.gz", "DP1-TP1.txt"
+            "DP0-TP0.trace.json.gz",
+            "DP0-TP0.txt",
+            "DP1-TP1.trace.json.gz",
+            "DP1-TP1.txt",
         ]
         with pytest.raises(RuntimeError, match="not running"):
             engine.stop_profile()

@@ -1,4 +1,5 @@
 import torch
+
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from sglang.srt.mem_cache.radix_cache import RadixCache
 

@@ -31,8 +31,14 @@ def _env() -> dict[str, str]:
 
 def _bash(script: str, timeout: float) -> str:
     """Run `script` in its own process group, which is killed (server included) if it overruns."""
-    proc = subprocess.Popen(["bash", "-c", "set -e\n" + script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_env(), start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", "-c", "set -e\n" + script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -74,7 +80,7 @@ def test_cpu_headline_recipe(tmp_path):
     recipe = next(b for b in _blocks("bash") if "train_tiny_models" in b)
     script = recipe.replace("30000", str(find_free_port())).replace("/tmp/tiny", str(tmp_path / "tiny"))
     out = _bash(script, timeout=540)
-    chat, completions, accept = _json_values(out[out.index("{"):])  # after the training tool's lines
+    chat, completions, accept = _json_values(out[out.index("{") :])  # after the training tool's lines
     assert chat["model"] == "tiny-deepseek" and [c["index"] for c in chat["choices"]] == [0, 1, 2, 3]
     assert len(completions["choices"]) == 4
     assert len(accept) == 2 and all(1.0 <= a <= 4.0 for a in accept), accept

@@ -139,7 +139,11 @@ def test_load_test_checks_catch_bad_responses():
     """The load test's checks fail on what they must catch (so a green run means something)."""
     lt = _load_test_module()
     spec = lt.Spec(0, "/generate", True, False, "hi", max_tokens=2, temperature=0.0)
-    good = {"text": "ab", "output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"}, "prompt_tokens": 1, "completion_tokens": 2}}
+    good = {
+        "text": "ab",
+        "output_ids": [5, 6],
+        "meta_info": {"finish_reason": {"type": "length"}, "prompt_tokens": 1, "completion_tokens": 2},
+    }
     lt.check_generate(spec, good)
     too_long = {**good, "output_ids": [5, 6, 7], "meta_info": {**good["meta_info"], "completion_tokens": 3}}
     unfinished = {**good, "meta_info": {**good["meta_info"], "finish_reason": None}}
@@ -151,7 +155,7 @@ def test_load_test_checks_catch_bad_responses():
     def stream(*events: str) -> httpx.Response:
         return httpx.Response(200, content="".join(f"data: {e}\n\n" for e in events).encode())
 
-    snapshot = lambda text, ids: json.dumps({**good, "text": text, "output_ids": ids})  # noqa: E731
+    snapshot = lambda text, ids: json.dumps({**good, "text": text, "output_ids": ids})
     assert asyncio.run(lt.check_stream(spec, stream(snapshot("a", [5]), snapshot("ab", [5, 6]), "[DONE]"))) == "ab"
     with pytest.raises(AssertionError):  # a snapshot that rewrites earlier text
         asyncio.run(lt.check_stream(spec, stream(snapshot("x", [5]), snapshot("ab", [5, 6]), "[DONE]")))
@@ -211,8 +215,17 @@ def test_metrics_after_requests(server):
 
 # ---------------------------------------------------------------------- other servers
 def test_load_speculative_nextn(tiny_deepseek_v3_dir):
-    args = BASE_ARGS + ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
-                        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3", "--enable-metrics"]
+    args = BASE_ARGS + [
+        "--speculative-algorithm",
+        "NEXTN",
+        "--speculative-num-steps",
+        "2",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "3",
+        "--enable-metrics",
+    ]
     proc = popen_launch_server(tiny_deepseek_v3_dir, args)
     try:
         _load_test(proc, 200)
@@ -268,7 +281,9 @@ def test_sampler_flags_non_finite_rows_only_when_asked():
     logits = torch.randn(3, 16)
     logits[1, 4], logits[2, 0] = float("nan"), float("inf")
     for temperature in (0.0, 0.7):
-        info = SamplingBatchInfo.from_requests([SamplingParams(temperature=temperature)] * 3, [([1], [])] * 3, [None] * 3, 16, "cpu")
+        info = SamplingBatchInfo.from_requests(
+            [SamplingParams(temperature=temperature)] * 3, [([1], [])] * 3, [None] * 3, 16, "cpu"
+        )
         ids = Sampler(detect_nan=True)(logits, info, return_logprob=True, top_logprobs_num=2).next_token_ids.tolist()
         assert ids[1:] == [NAN_TOKEN_ID, NAN_TOKEN_ID] and 0 <= ids[0] < 16
     greedy = SamplingBatchInfo.from_requests([SamplingParams(temperature=0.0)] * 3, [([1], [])] * 3, [None] * 3, 16, "cpu")

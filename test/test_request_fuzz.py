@@ -111,11 +111,21 @@ OPENAI_COMMON = {
 MODELS = st.sampled_from([MODEL, "gpt-4"])
 COMPLETIONS = body(
     {"model": MODELS, "prompt": PROMPT_TEXTS | PROMPT_IDS},
-    {**OPENAI_COMMON, "max_tokens": SMALL_MAX, "echo": st.booleans(), "logprobs": st.integers(-1, 21), "suffix": TEXTS, "best_of": st.integers(0, 2)},
+    {
+        **OPENAI_COMMON,
+        "max_tokens": SMALL_MAX,
+        "echo": st.booleans(),
+        "logprobs": st.integers(-1, 21),
+        "suffix": TEXTS,
+        "best_of": st.integers(0, 2),
+    },
 )
 CONTENT_PART = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": TEXTS})
 MESSAGE = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant", "tool", "wizard"]), "content": TEXTS | st.lists(CONTENT_PART, max_size=2)},
+    {
+        "role": st.sampled_from(["system", "user", "assistant", "tool", "wizard"]),
+        "content": TEXTS | st.lists(CONTENT_PART, max_size=2),
+    },
     optional={"name": TEXTS},
 )
 CHAT = body(
@@ -137,8 +147,14 @@ CHAT = body(
 def profile_body(profile_dir: str) -> st.SearchStrategy:
     # output_dir: only strings under the test's directory (the server creates the directory).
     dirs = st.sampled_from([os.path.join(profile_dir, "a"), os.path.join(profile_dir, "b\x00c"), ""])
-    fields = {"output_dir": dirs, "num_steps": st.integers(-1, 3) | EDGE_INTS, "activities": st.lists(st.sampled_from(["CPU", "GPU", "cpu", "TPU"]), max_size=2)}
-    return body({}, fields).map(lambda b: {**b, "output_dir": _under(profile_dir, b["output_dir"])} if isinstance(b.get("output_dir"), str) else b)
+    fields = {
+        "output_dir": dirs,
+        "num_steps": st.integers(-1, 3) | EDGE_INTS,
+        "activities": st.lists(st.sampled_from(["CPU", "GPU", "cpu", "TPU"]), max_size=2),
+    }
+    return body({}, fields).map(
+        lambda b: {**b, "output_dir": _under(profile_dir, b["output_dir"])} if isinstance(b.get("output_dir"), str) else b
+    )
 
 
 def _under(profile_dir: str, path: str) -> str:
@@ -155,7 +171,7 @@ POST_PATHS = ["/generate", "/v1/completions", "/v1/chat/completions", "/start_pr
 
 def any_request(profile_dir: str) -> st.SearchStrategy:
     """(method, path, body bytes or None)."""
-    as_json = lambda path: lambda b: ("POST", path, json.dumps(b, allow_nan=True).encode())  # noqa: E731
+    as_json = lambda path: lambda b: ("POST", path, json.dumps(b, allow_nan=True).encode())
     return st.one_of(
         GENERATE.map(as_json("/generate")),
         COMPLETIONS.map(as_json("/v1/completions")),

@@ -286,14 +286,24 @@ def test_logit_bias_on_plain_and_speculative_paths(tiny_llama_unsharded_eagle_pa
         assert run(engine, logit_bias={"42": 100}) == [[42] * 10] * 3
     assert plain != unbiased
     spec_args = {"speculative_num_steps": 3, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8}
-    with sgl.Engine(model_path=target, device="cpu", speculative_algorithm="EAGLE", speculative_draft_model_path=head, **spec_args) as engine:
+    with sgl.Engine(
+        model_path=target, device="cpu", speculative_algorithm="EAGLE", speculative_draft_model_path=head, **spec_args
+    ) as engine:
         assert run(engine, logit_bias=bias) == plain
 
 
 def test_openai_logit_bias(server):
-    r = requests.post(server.base_url + "/v1/completions", json={**_CMPL, "max_tokens": 4, "temperature": 0, "logit_bias": {"42": 100}}, timeout=60)
+    r = requests.post(
+        server.base_url + "/v1/completions",
+        json={**_CMPL, "max_tokens": 4, "temperature": 0, "logit_bias": {"42": 100}},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
-    ids = requests.post(server.base_url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "logit_bias": {"42": 100}}}, timeout=60).json()["output_ids"]
+    ids = requests.post(
+        server.base_url + "/generate",
+        json={"text": "hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "logit_bias": {"42": 100}}},
+        timeout=60,
+    ).json()["output_ids"]
     assert ids == [42] * 4
     _assert_json_4xx(_post_raw(server, "/v1/chat/completions", _with(_CHAT, logit_bias={"42": 101})), "bias 101")
 

@@ -1,4 +1,5 @@
 import torch
+
 from sglang.srt.sampling.sampler import Sampler, SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -41,9 +42,11 @@ def test_sampling_follows_distribution():
 
 def test_seeded_rows_are_reproducible():
     logits = torch.randn(3, 50)
+
     def draw():
         gens = [torch.Generator().manual_seed(7) for _ in range(3)]
         return Sampler()(logits, _info([SamplingParams()] * 3, vocab=50, generators=gens)).next_token_ids
+
     assert torch.equal(draw(), draw())
 
 

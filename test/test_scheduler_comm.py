@@ -93,7 +93,10 @@ def _reshaped(rank: int, world: int) -> None:
     finally:
         set_collective_recorder(None)
     message = str(err.value)
-    assert "differ at collective #1" in message and "rank 0: tp.all_reduce[2, 8] float32, rank 1: tp.all_reduce[4, 4] float32" in message
+    assert (
+        "differ at collective #1" in message
+        and "rank 0: tp.all_reduce[2, 8] float32, rank 1: tp.all_reduce[4, 4] float32" in message
+    )
     assert "rank 1 trace: ['tp.all_reduce[2, 8] float32', 'tp.all_reduce[4, 4] float32']" in message
 
 

@@ -8,6 +8,7 @@ tiny random Llama, CPU, float32):
 from __future__ import annotations
 
 import pytest
+
 from sglang.srt.batch.forward_batch_info import ForwardMode
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler

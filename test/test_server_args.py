@@ -61,13 +61,40 @@ def test_every_field_has_a_flag():
         (["--schedule-policy", "random"], "--schedule-policy"),
         (["--speculative-adaptive"], "--speculative-algorithm"),
         (["--speculative-algorithm", "NEXTN", "--speculative-adaptive-steps", "1,3"], "--speculative-adaptive"),
-        (["--speculative-algorithm", "NEXTN", "--speculative-adaptive", "--speculative-eagle-topk", "4",
-          "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8"], "--speculative-eagle-topk 1"),
-        (["--speculative-algorithm", "NEXTN", "--speculative-adaptive", "--speculative-num-steps", "2"], "--speculative-num-steps 2"),
-        (["--speculative-algorithm", "NEXTN", "--speculative-adaptive", "--speculative-adaptive-steps", "1,x"], "--speculative-adaptive-steps"),
-        (["--speculative-algorithm", "NEXTN", "--speculative-adaptive", "--speculative-adaptive-steps", "3"], "at least two tiers"),
-        (["--speculative-algorithm", "NEXTN", "--speculative-adaptive", "--speculative-adaptive-schedule", "3:2,2:1"], "not a tier"),
-        (["--speculative-algorithm", "NEXTN", "--speculative-adaptive", "--speculative-adaptive-schedule", "3-2"], "steps:cycles"),
+        (
+            [
+                "--speculative-algorithm",
+                "NEXTN",
+                "--speculative-adaptive",
+                "--speculative-eagle-topk",
+                "4",
+                "--speculative-num-steps",
+                "3",
+                "--speculative-num-draft-tokens",
+                "8",
+            ],
+            "--speculative-eagle-topk 1",
+        ),
+        (
+            ["--speculative-algorithm", "NEXTN", "--speculative-adaptive", "--speculative-num-steps", "2"],
+            "--speculative-num-steps 2",
+        ),
+        (
+            ["--speculative-algorithm", "NEXTN", "--speculative-adaptive", "--speculative-adaptive-steps", "1,x"],
+            "--speculative-adaptive-steps",
+        ),
+        (
+            ["--speculative-algorithm", "NEXTN", "--speculative-adaptive", "--speculative-adaptive-steps", "3"],
+            "at least two tiers",
+        ),
+        (
+            ["--speculative-algorithm", "NEXTN", "--speculative-adaptive", "--speculative-adaptive-schedule", "3:2,2:1"],
+            "not a tier",
+        ),
+        (
+            ["--speculative-algorithm", "NEXTN", "--speculative-adaptive", "--speculative-adaptive-schedule", "3-2"],
+            "steps:cycles",
+        ),
     ],
 )
 def test_invalid_combinations_name_the_flag(extra, flag, capsys):
@@ -78,12 +105,27 @@ def test_invalid_combinations_name_the_flag(extra, flag, capsys):
 
 def test_adaptive_speculation_defaults():
     """Without sizes, a chain of the largest tier; --speculative-num-steps is the starting tier."""
-    args = prepare_server_args(["--model-path", "m", "--device", "cpu", "--speculative-algorithm", "NEXTN", "--speculative-adaptive"])
+    args = prepare_server_args(
+        ["--model-path", "m", "--device", "cpu", "--speculative-algorithm", "NEXTN", "--speculative-adaptive"]
+    )
     assert args.speculative_tiers == (1, 3, 5)
     assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (5, 1, 6)
     args = prepare_server_args(
-        ["--model-path", "m", "--device", "cpu", "--speculative-algorithm", "NEXTN", "--speculative-adaptive",
-         "--speculative-adaptive-steps", "4,2", "--speculative-num-steps", "2", "--speculative-adaptive-schedule", "2:3,4:1"]
+        [
+            "--model-path",
+            "m",
+            "--device",
+            "cpu",
+            "--speculative-algorithm",
+            "NEXTN",
+            "--speculative-adaptive",
+            "--speculative-adaptive-steps",
+            "4,2",
+            "--speculative-num-steps",
+            "2",
+            "--speculative-adaptive-schedule",
+            "2:3,4:1",
+        ]
     )
     assert args.speculative_tiers == (2, 4) and args.speculative_num_draft_tokens == 3
     assert args.speculative_adaptive_schedule_pairs == [(2, 3), (4, 1)]

@@ -25,9 +25,9 @@ import re
 
 import pytest
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 import torch
 import torch.multiprocessing as mp
+from prometheus_client.parser import text_string_to_metric_families
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import initialize_model_parallel
@@ -138,8 +138,14 @@ def test_every_rank_decides_alike_from_the_plan():
             extend = rng.random() < 0.1
             accepted, rejected = tiers.window_figures()
             locals_.append(
-                LocalPlan(num_tokens=batch * 2, num_reqs=batch, is_extend=int(extend), has_work=1,
-                          spec_accepted=accepted, spec_rejected=rejected)
+                LocalPlan(
+                    num_tokens=batch * 2,
+                    num_reqs=batch,
+                    is_extend=int(extend),
+                    has_work=1,
+                    spec_accepted=accepted,
+                    spec_rejected=rejected,
+                )
             )
         figures = figures_of_plan(_gathered(locals_))
         alone = [t.preview(t.local_figures(f.decode_reqs)) for t, f in zip(ranks, figures)]
@@ -178,8 +184,14 @@ def _reference(path: str, prompts: list[list[int]], max_new: list[int]) -> list[
 
 def _adaptive_args(path: str, start: int = 3, **extra) -> ServerArgs:
     return ServerArgs(
-        model_path=path, device="cpu", dtype="float32", speculative_algorithm="NEXTN", speculative_adaptive=True,
-        speculative_adaptive_steps=",".join(map(str, TIERS)), speculative_num_steps=start, max_running_requests=8,
+        model_path=path,
+        device="cpu",
+        dtype="float32",
+        speculative_algorithm="NEXTN",
+        speculative_adaptive=True,
+        speculative_adaptive_steps=",".join(map(str, TIERS)),
+        speculative_num_steps=start,
+        max_running_requests=8,
         **extra,
     )
 

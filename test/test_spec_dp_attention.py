@@ -19,13 +19,14 @@ from __future__ import annotations
 import re
 import threading
 import time
-from typing import Any, Optional
+from typing import Optional
 from unittest import mock
 
 import pytest
 import requests
 import torch
 import torch.multiprocessing as mp
+
 from sglang.srt.batch.forward_batch_info import ForwardMode
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import initialize_model_parallel
@@ -311,8 +312,15 @@ def test_ranks_with_unequal_memory_agree_on_the_gathered_buffer(tiny_deepseek_v3
     """max_running_requests (memory-derived when not given) sizes each rank's gathered buffer;
     it is agreed at startup, so no rank's buffer is smaller than the others' batches need."""
     server_args = ServerArgs(
-        model_path=tiny_deepseek_v3_dir, device="cpu", tp_size=2, dp_size=2, enable_dp_attention=True,
-        chunked_prefill_size=CHUNK, max_total_tokens=200, speculative_algorithm="NEXTN", **CHAIN,
+        model_path=tiny_deepseek_v3_dir,
+        device="cpu",
+        tp_size=2,
+        dp_size=2,
+        enable_dp_attention=True,
+        chunked_prefill_size=CHUNK,
+        max_total_tokens=200,
+        speculative_algorithm="NEXTN",
+        **CHAIN,
     )
     results = mp.get_context("spawn").Manager().dict()
     mp.spawn(_uneven_memory_main, args=(server_args, PortArgs.init_new(server_args), results), nprocs=2)
@@ -344,14 +352,19 @@ def test_one_dp_rank_greedy_the_other_sampling(tiny_deepseek_v3_dir, deepseek_re
     sub-forward by sub-forward with the walk on the host: the same collectives on both
     (--debug-collectives checks them), and the greedy rank's tokens equal the reference."""
     server_args = ServerArgs(
-        model_path=tiny_deepseek_v3_dir, device="cpu", tp_size=2, dp_size=2, enable_dp_attention=True,
-        chunked_prefill_size=CHUNK, max_running_requests=4, debug_collectives=True,
-        speculative_algorithm="NEXTN", **spec,
+        model_path=tiny_deepseek_v3_dir,
+        device="cpu",
+        tp_size=2,
+        dp_size=2,
+        enable_dp_attention=True,
+        chunked_prefill_size=CHUNK,
+        max_running_requests=4,
+        debug_collectives=True,
+        speculative_algorithm="NEXTN",
+        **spec,
     )
     results = mp.get_context("spawn").Manager().dict()
-    mp.spawn(
-        _greedy_and_sampling_main, args=(server_args, PortArgs.init_new(server_args), deepseek_reference, results), nprocs=2
-    )
+    mp.spawn(_greedy_and_sampling_main, args=(server_args, PortArgs.init_new(server_args), deepseek_reference, results), nprocs=2)
     run = SCENARIOS[0]
     assert results[0] == {rid: deepseek_reference[rid] for *_, rid, _, _ in run}
     assert {rid: len(ids) for rid, ids in results[1].items()} == {rid: n for *_, rid, _, n in run}

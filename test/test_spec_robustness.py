@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from sglang.srt.server_args import ServerArgs
@@ -42,8 +41,12 @@ def nan_llama_pair(tmp_path_factory) -> tuple[str, str, int]:
 def _eagle_args(pair: tuple[str, str, int], **args) -> ServerArgs:
     target, head, _ = pair
     return ServerArgs(
-        model_path=target, device="cpu", dtype="float32", speculative_algorithm="EAGLE",
-        speculative_draft_model_path=head, **args,
+        model_path=target,
+        device="cpu",
+        dtype="float32",
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=head,
+        **args,
     )
 
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from sglang.srt.batch.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.model_executor.cuda_graph_runner import PAD_KV_SLOT
@@ -219,7 +220,9 @@ def test_one_guess_is_the_greedy_token_with_score_one():
 
 def test_draft_extend_program_returns_the_guesses_and_hidden_states():
     logits, hidden = torch.randn(3, 11), torch.randn(3, 8)
-    out = DraftExtendProgram(2, rows_per_req=1)(None, lambda fb: LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden))
+    out = DraftExtendProgram(2, rows_per_req=1)(
+        None, lambda fb: LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden)
+    )
     ref_probs, ref_tokens = torch.topk(torch.softmax(logits, dim=-1), 2, dim=-1)
     assert torch.equal(out[1], ref_tokens) and torch.equal(out[2], hidden)
     torch.testing.assert_close(out[0], ref_probs)
@@ -235,15 +238,26 @@ def test_draft_step_writes_its_own_scratch_columns(topk):
     first_loc = table[rows.view(-1, 1), kv_lens.view(-1, 1) + torch.arange(topk)].flatten()
     first_loc[-topk:] = PAD_KV_SLOT  # the last request is a padded row
     first = ForwardBatch(
-        mode=ForwardMode.DRAFT_DECODE, batch_size=bs, input_ids=torch.zeros(bs * topk, dtype=torch.int64),
-        positions=kv_lens.repeat_interleave(topk), out_cache_loc=first_loc, req_pool_indices=rows,
-        seq_lens=kv_lens + topk, extend_seq_lens=torch.full((bs,), topk), seq_lens_cpu=(kv_lens + topk).tolist(),
+        mode=ForwardMode.DRAFT_DECODE,
+        batch_size=bs,
+        input_ids=torch.zeros(bs * topk, dtype=torch.int64),
+        positions=kv_lens.repeat_interleave(topk),
+        out_cache_loc=first_loc,
+        req_pool_indices=rows,
+        seq_lens=kv_lens + topk,
+        extend_seq_lens=torch.full((bs,), topk),
+        seq_lens_cpu=(kv_lens + topk).tolist(),
         req_to_token_pool=SimpleNamespace(req_to_token=table),
     )
     loop = DraftLoop(steps, topk, num_draft_tokens=steps + 1, max_position=1 << 20)
     for t in range(1, steps - 1):
-        step = loop._next_step(first, t, torch.zeros(bs, topk, dtype=torch.int64), torch.zeros(bs * topk, 8),
-                               torch.ones(bs, topk, (t + 1) * topk, dtype=torch.bool))
+        step = loop._next_step(
+            first,
+            t,
+            torch.zeros(bs, topk, dtype=torch.int64),
+            torch.zeros(bs * topk, 8),
+            torch.ones(bs, topk, (t + 1) * topk, dtype=torch.bool),
+        )
         want = table[rows.view(-1, 1), kv_lens.view(-1, 1) + t * topk + torch.arange(topk)].flatten()
         want[-topk:] = PAD_KV_SLOT
         assert torch.equal(step.out_cache_loc, want)
@@ -263,9 +277,15 @@ def test_cycle_sub_forward_batches_are_dense(tiny_deepseek_v3_dir, topk, n):
     from sglang.test.inprocess_scheduler import greedy, start_scheduler
 
     args = ServerArgs(
-        model_path=tiny_deepseek_v3_dir, device="cpu", dtype="float32",
-        speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=topk,
-        speculative_num_draft_tokens=n, max_running_requests=2, disable_radix_cache=True,
+        model_path=tiny_deepseek_v3_dir,
+        device="cpu",
+        dtype="float32",
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=3,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=n,
+        max_running_requests=2,
+        disable_radix_cache=True,
     )
     forward, seen = ModelRunner.forward_eager, []
 
@@ -336,9 +356,7 @@ def test_tree_sampling_has_the_target_law_with_an_imperfect_draft(shape):
     tree, node_tokens = _repeated_tree(parents, tokens, copies)
     torch.manual_seed(11)
     width = max(int(d) for d in tree.depths[0]) + 1
-    acc = sample_acceptance(
-        p.repeat(copies, 1), tree, node_tokens, torch.rand(copies, n), _multinomial, width
-    )
+    acc = sample_acceptance(p.repeat(copies, 1), tree, node_tokens, torch.rand(copies, n), _multinomial, width)
     accept_len, emitted = acc.accept_len.tolist(), acc.emitted.tolist()
     assert {0, width - 1} <= set(accept_len)  # whole paths rejected and accepted
     path_of = {(): 0}  # emitted prefix -> the node the walk is at

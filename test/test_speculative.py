@@ -62,9 +62,7 @@ def _run(model_dir: str, requests, **engine_args) -> list[dict]:
 
 
 def _summary(outs: list[dict]) -> list[tuple]:
-    return [
-        (o["output_ids"], o["text"], o["meta_info"]["finish_reason"], o["meta_info"]["completion_tokens"]) for o in outs
-    ]
+    return [(o["output_ids"], o["text"], o["meta_info"]["finish_reason"], o["meta_info"]["completion_tokens"]) for o in outs]
 
 
 def _baseline(model_dir: str):
@@ -231,7 +229,9 @@ def test_speculative_defaults_and_validation():
     with pytest.raises(ValueError, match="--speculative-num-draft-tokens"):
         _spec_args(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=4)
     with pytest.raises(ValueError, match=r"--speculative-num-draft-tokens must be in \[2, 7\]"):
-        _spec_args(speculative_algorithm="NEXTN", speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=10)
+        _spec_args(
+            speculative_algorithm="NEXTN", speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=10
+        )
     with pytest.raises(ValueError, match="--speculative-num-steps"):
         _spec_args(speculative_algorithm="NEXTN", speculative_eagle_topk=2, speculative_num_draft_tokens=4)
     with pytest.raises(ValueError, match="--speculative-draft-model-path"):

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Iterator
+from collections.abc import Iterator
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
+
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import (
     get_attn_dp_rank,
@@ -78,8 +79,9 @@ def count_collectives() -> Iterator[Counter]:
 
         return counted
 
-    with mock.patch.object(dist, "all_reduce", wrap("all_reduce", dist.all_reduce)), mock.patch.object(
-        dist, "all_gather", wrap("all_gather", dist.all_gather)
+    with (
+        mock.patch.object(dist, "all_reduce", wrap("all_reduce", dist.all_reduce)),
+        mock.patch.object(dist, "all_gather", wrap("all_gather", dist.all_gather)),
     ):
         yield counts
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import triton  # noqa: F401  (a test dependency: never skipped when missing)
+import triton
 
 from sglang.srt.kernels.moe.grouped_gemm import (
     MAX_PAIRS_ONE_PROGRAM,
@@ -158,7 +157,6 @@ def test_triton_routing_matches_select_experts(cfg, num_tokens):
 
 
 def test_host_launch_sizes_match_triton():
-    import triton
 
     from sglang.srt.utils.int_math import cdiv, next_power_of_2
 
@@ -191,7 +189,9 @@ def test_moe_warm_up_runs_its_batches():
 
 
 @kernel_test
-@pytest.mark.parametrize("shape", [(1, 8, 2, 16), (1, 64, 6, 16), (37, 8, 3, 16), (170, 64, 6, 64), (128, 64, 8, 16), (5, 256, 8, 16)])
+@pytest.mark.parametrize(
+    "shape", [(1, 8, 2, 16), (1, 64, 6, 16), (37, 8, 3, 16), (170, 64, 6, 64), (128, 64, 8, 16), (5, 256, 8, 16)]
+)
 def test_one_program_alignment_matches_torch(shape):
     """The same sorted pair order and block experts as the plain-PyTorch alignment."""
     num_tokens, num_experts, top_k, block_m = shape

@@ -120,6 +120,17 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     step llama8b_profile 200 python3 benchmark/profile_engine.py --config benchmark/configs/llama-3.1-8b.json \
       --output-dir "$out/profile" -- --cuda-graph-max-bs 8
     ;;
+  prefill-graphs)  # prefill CUDA graphs (--enable-piecewise-cuda-graph): tests, equality with eager, prefill time with and without
+    step prefill_graph_tests 300 python3 -m pytest -q -x test/test_prefill_cuda_graph.py
+    step prefill_graphs 450 python3 benchmark/gpu/validate_prefill_graphs.py --models small-deepseek llama8b
+    small_dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmark"); from bench_decode import dummy_model_dir
+print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
+    for flags in "" "--enable-piecewise-cuda-graph"; do
+      # shellcheck disable=SC2086
+      step "small_deepseek_prefill${flags:+_graphs}" 90 python3 -m sglang.bench_one_batch --model-path "$small_dir" \
+        --load-format dummy --batch-size 1 --input-len 276 1024 --output-len 8 $flags
+    done
+    ;;
   shared-gpu)  # several ranks on one GPU (--gpu-id-step 0): the IPC collectives, then the seed's configuration
     # ($SHARED_PARALLEL: tp2dp2 tp4dp4 tp4dp2; $SHARED_CHECKS: exact perfect idle trained load)
     step collectives_2ranks 120 python3 benchmark/kernels/bench_collectives.py --world 2 --gpu-id-step 0 --jsonl "$out/collectives.jsonl"
@@ -132,6 +143,6 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     step collectives_nccl 150 python3 benchmark/kernels/bench_collectives.py --world "${WORLD:-2}" --gpu-id-step 1 \
       --jsonl "$out/collectives.jsonl"
     ;;
-  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|graphs|shared-gpu|collectives"; exit 2 ;;
+  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|graphs|prefill-graphs|shared-gpu|collectives"; exit 2 ;;
 esac
 done

@@ -135,6 +135,22 @@ class ServerArgs:
     )
     cuda_graph_max_bs: Optional[int] = field(default=None, metadata=_arg("Largest per-rank batch size captured in a CUDA graph."))
     cuda_graph_bs: Optional[list[int]] = field(default=None, metadata=_arg("Batch sizes to capture.", nargs="+", type=int))
+    enable_piecewise_cuda_graph: bool = field(
+        default=False,
+        metadata=_arg(
+            "Capture prefill (extend) forwards in CUDA graphs at token buckets, attention included: a prefill of up to --piecewise-cuda-graph-max-tokens tokens is one graph replay (CUDA only; ignored on CPU)."
+        ),
+    )
+    piecewise_cuda_graph_max_tokens: Optional[int] = field(
+        default=None,
+        metadata=_arg(
+            "Largest prefill token count captured (default 2048, or the largest --piecewise-cuda-graph-tokens); larger prefills run eagerly."
+        ),
+    )
+    piecewise_cuda_graph_tokens: Optional[list[int]] = field(
+        default=None,
+        metadata=_arg("Prefill token buckets to capture (default 64, 128, 256, ... up to the max).", nargs="+", type=int),
+    )
     enable_nan_detection: bool = field(default=False, metadata=_arg("Detect NaN logits and report them instead of sampling."))
 
     # Parallelism
@@ -247,10 +263,27 @@ class ServerArgs:
             self.mem_fraction_static = 0.88
         if self.device == "cpu":
             self.disable_cuda_graph = True
+        self._resolve_piecewise_cuda_graph()
         if self.load_balance_method is None:
             self.load_balance_method = "minimum_tokens" if self.enable_dp_attention else "round_robin"
         if self.speculative_algorithm is not None:
             self._resolve_speculative_defaults()
+
+    def _resolve_piecewise_cuda_graph(self) -> None:
+        """Prefill graphs capture the plain prefill on CUDA: the flag is ignored (one warning) on
+        CPU, under DP attention and under speculative decoding, whose prefills run eagerly."""
+        if not self.enable_piecewise_cuda_graph:
+            return
+        if self.device == "cpu":
+            reason = "on CPU: CUDA graphs need CUDA"
+        elif self.enable_dp_attention:
+            reason = "with --enable-dp-attention: prefill runs eagerly"
+        elif self.speculative_algorithm is not None:
+            reason = "with --speculative-algorithm: prefill runs eagerly"
+        else:
+            return
+        logger.warning("--enable-piecewise-cuda-graph is ignored %s", reason)
+        self.enable_piecewise_cuda_graph = False
 
     def _fall_back_from_flashinfer(self, fallback: str) -> None:
         """SGLang command lines name flashinfer; this server has no flashinfer backend, so they
@@ -327,6 +360,12 @@ class ServerArgs:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.cuda_graph_bs is not None and any(b < 1 for b in self.cuda_graph_bs):
             raise ValueError("--cuda-graph-bs values must be >= 1")
+        if self.piecewise_cuda_graph_max_tokens is not None and self.piecewise_cuda_graph_max_tokens < 1:
+            raise ValueError(f"--piecewise-cuda-graph-max-tokens must be >= 1, got {self.piecewise_cuda_graph_max_tokens}")
+        if self.piecewise_cuda_graph_tokens is not None and (
+            not self.piecewise_cuda_graph_tokens or min(self.piecewise_cuda_graph_tokens) < 1
+        ):
+            raise ValueError(f"--piecewise-cuda-graph-tokens values must be >= 1, got {self.piecewise_cuda_graph_tokens}")
         self._check_gpu_placement()
         self._check_speculative()
 

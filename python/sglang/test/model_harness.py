@@ -47,12 +47,20 @@ class HarnessRequest:
 def make_kv_pool(model_config: ModelConfig, size: int, device: str) -> KVPool:
     if model_config.is_mla:
         return MLATokenToKVPool(
-            size, model_config.dtype, model_config.kv_lora_rank, model_config.qk_rope_head_dim,
-            model_config.num_hidden_layers, device,
+            size,
+            model_config.dtype,
+            model_config.kv_lora_rank,
+            model_config.qk_rope_head_dim,
+            model_config.num_hidden_layers,
+            device,
         )
     return MHATokenToKVPool(
-        size, model_config.dtype, model_config.get_num_kv_heads(get_attn_tp_size()), model_config.head_dim,
-        model_config.num_hidden_layers, device,
+        size,
+        model_config.dtype,
+        model_config.get_num_kv_heads(get_attn_tp_size()),
+        model_config.head_dim,
+        model_config.num_hidden_layers,
+        device,
     )
 
 
@@ -94,9 +102,7 @@ class ModelHarness:
             self.finish_requests(reqs)
         return [torch.cat(parts) for parts in per_req]
 
-    def greedy_generate(
-        self, prompts: list[list[int]], max_new_tokens: int, chunk_size: Optional[int] = None
-    ) -> list[list[int]]:
+    def greedy_generate(self, prompts: list[list[int]], max_new_tokens: int, chunk_size: Optional[int] = None) -> list[list[int]]:
         """Greedy continuation of each prompt: (chunked) EXTEND batches, then DECODE batches."""
         reqs = self.start_requests(prompts)
         try:

@@ -10,7 +10,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import requests
 

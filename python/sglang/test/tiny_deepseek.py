@@ -101,9 +101,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 def _token_fields(out_dir: str) -> dict[str, int]:
     """Write the tiny tokenizer; the config's vocab and special ids follow it."""
     tok = make_tiny_tokenizer(out_dir, VOCAB_SIZE)
-    return dict(
-        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-    )
+    return dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
 
 
 def _save(model_cls: type, config: Any, out_dir: str, seed: int) -> str:
@@ -119,9 +117,7 @@ def make_tiny_deepseek_v2(out_dir: str, seed: int = 0, **overrides: Any) -> str:
     return _save(DeepseekV2ForCausalLM, config, out_dir, seed)
 
 
-def make_tiny_deepseek_v3(
-    out_dir: str, seed: int = 0, yarn: bool = False, with_mtp: bool = True, **overrides: Any
-) -> str:
+def make_tiny_deepseek_v3(out_dir: str, seed: int = 0, yarn: bool = False, with_mtp: bool = True, **overrides: Any) -> str:
     """With with_mtp, the checkpoint also holds the MTP layer (see append_mtp_layer)."""
     config = tiny_v3_config(yarn=yarn, **{**_token_fields(out_dir), **overrides})
     _save(DeepseekV3ForCausalLM, config, out_dir, seed)

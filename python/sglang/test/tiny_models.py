@@ -18,12 +18,15 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-_TRAINING_TEXT = """
+_TRAINING_TEXT = (
+    """
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
 What is the capital of France? The capital of France is Paris. Hello, how are you today?
 Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Once upon a time there was a small model that answered questions.
 User asks, assistant answers. The sky is blue and the grass is green; water is wet and fire is hot.
-""" * 4
+"""
+    * 4
+)
 
 
 def make_tiny_tokenizer(path: str, vocab_size: int = 384) -> PreTrainedTokenizerFast:

@@ -1,7 +1,8 @@
 """CUDA graphs for fixed-shape forwards.
 
 One runner per ModelRunner. A graph is keyed by a frozen `GraphKey` (mode, padded per-rank
-batch size, tokens per request, tree width, the program it runs) and replays the
+batch size, tokens per request, tree width, the program it runs; for a ragged mode, prefill,
+its token bucket instead of tokens per request) and replays the
 attention-metadata build *and* the model forward together, reading nothing but the runner's
 static input buffers, the weights and the KV pool. Because the metadata is rebuilt inside every replay, nothing a graph reads at
 replay time lives in the shared memory pool, so all graphs can share one pool safely.
@@ -9,7 +10,9 @@ replay time lives in the shared memory pool, so all graphs can share one pool sa
 Invariants:
 - every graph reads the same static input buffers; `StaticInputs.load` fills them, padding
   rows with valid values (token 0, dummy KV slot 0, request row 0, seq_len = extend_len =
-  tokens per request), so a padded row never writes a real request's KV;
+  tokens per request), so a padded row never writes a real request's KV; in a ragged key the
+  padding tokens belong to one padding request (KV length = its token count, no prefix) and
+  the other padded requests are empty (seq_len = extend_len = 0);
 - graphs copy their outputs into static output buffers; `replay` returns fresh copies, so
   nothing handed to callers aliases memory a later replay overwrites, except in modes
   captured with `outputs_as_views`: there the caller consumes (or queues copies of) every
@@ -37,6 +40,7 @@ from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch,
 from sglang.srt.distributed.parallel_state import record_graph_replay
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.mem_cache.memory_pool import DUMMY_KV_SLOT, DUMMY_REQ_ROW
+from sglang.srt.model_executor.prefill_graphs import RaggedTokens
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -102,7 +106,8 @@ class SpecInfoLayout:
 
 @dataclass(frozen=True)
 class CapturedMode:
-    """How the batches of one mode are captured (every request has the same token count)."""
+    """How the batches of one mode are captured: every request has the same token count, or,
+    in a ragged mode, any count (tokens_per_req 0), the batch padded to a token bucket."""
 
     tokens_per_req: int
     tree_cols: tuple[int, ...] = (0,)  # tree-mask widths, one graph each (0: no mask)
@@ -114,6 +119,7 @@ class CapturedMode:
     # Modes of one group are captured together, larger groups first; capture_mib reports the
     # GPU memory each group added under its number (0: the modes of no group).
     group: int = 0
+    ragged: Optional[RaggedTokens] = None  # a ragged mode's buckets (None: uniform)
 
 
 class ModeKey(NamedTuple):
@@ -133,6 +139,7 @@ class GraphKey:
     tokens_per_req: int
     tree_cols: int = 0  # tree-mask width (0: no tree mask)
     program: Optional[GraphProgram] = None  # the captured work (None: one model forward)
+    ragged_tokens: int = 0  # a ragged key's token bucket (tokens_per_req is 0); 0: uniform
 
     @property
     def mode_key(self) -> ModeKey:
@@ -140,12 +147,23 @@ class GraphKey:
 
     @property
     def num_tokens(self) -> int:
-        return self.batch_size * self.tokens_per_req
+        return self.ragged_tokens or self.batch_size * self.tokens_per_req
 
     @property
     def pad_seq_len(self) -> int:
-        """A padded request's KV length: its new tokens and, under a tree mask, its tree."""
+        """A padded request's KV length: its new tokens and, under a tree mask, its tree (0 in
+        a ragged key, whose padding tokens belong to the padding request alone)."""
         return max(self.tokens_per_req, self.tree_cols)
+
+    def padding_lengths(self, rows: int, tokens: int) -> tuple[list[int], list[int]]:
+        """(KV lengths, new-token lengths) of the padded requests rows..batch_size after real
+        requests of `tokens` tokens: each (pad_seq_len, tokens_per_req); in a ragged key the
+        first padded request holds the num_tokens - tokens padding tokens, the others none."""
+        pad = self.batch_size - rows
+        if not self.ragged_tokens:
+            return [self.pad_seq_len] * pad, [self.tokens_per_req] * pad
+        lens = [self.ragged_tokens - tokens] + [0] * (pad - 1) if pad else []
+        return lens, list(lens)
 
 
 # ---------------------------------------------------------------------- batch sizes
@@ -206,16 +224,19 @@ class StaticInputs:
         dp_size: Optional[int] = None,
         max_tree_cols: int = 0,
         spec_info_layouts: Sequence[SpecInfoLayout] = (),
+        max_ragged_tokens: int = 0,
     ):
         """dp_size: DP attention's rank count (every rank contributes the same padded rows);
-        max_tree_cols: widest tree mask; spec_info_layouts: those of the captured modes."""
+        max_tree_cols: widest tree mask; spec_info_layouts: those of the captured modes;
+        max_ragged_tokens: the largest token bucket of the ragged modes."""
         self.dp_size = dp_size
         max_tokens = max_bs * max_tokens_per_req
         self.device = device
         # One int64 buffer, so that a load copies all its rows at once: per token (input id,
         # position, KV slot), then per request in the first max_bs columns (table row,
         # seq_len, extend_len).
-        self.int_rows = torch.empty((_INT_ROWS, max_tokens), dtype=torch.int64, device=device)
+        columns = max(max_tokens, max_ragged_tokens, max_bs)
+        self.int_rows = torch.empty((_INT_ROWS, columns), dtype=torch.int64, device=device)
         self.pad_columns: dict[tuple[int, int], torch.Tensor] = {}  # see _pad_column
         self.int_rows.copy_(self._pad_column(max_tokens_per_req, max_tokens_per_req).expand_as(self.int_rows))
         self.input_ids, self.positions, self.out_cache_loc = self.int_rows[:_TOKEN_ROWS]
@@ -231,11 +252,11 @@ class StaticInputs:
         """Copy fb into the buffers, pad rows fb.batch_size..key.batch_size, and return the
         padded batch as a ForwardBatch over the buffers (host lengths padded too)."""
         self.fill(fb, key, mode)
-        pad_rows = key.batch_size - fb.batch_size
+        pad_seq_lens, pad_extend_lens = key.padding_lengths(fb.batch_size, fb.num_tokens)
         return replace(
             self.batch(key, mode),
-            seq_lens_cpu=list(fb.seq_lens_cpu) + [key.pad_seq_len] * pad_rows,
-            extend_seq_lens_cpu=list(fb.extend_seq_lens_cpu) + [key.tokens_per_req] * pad_rows,
+            seq_lens_cpu=list(fb.seq_lens_cpu) + pad_seq_lens,
+            extend_seq_lens_cpu=list(fb.extend_seq_lens_cpu) + pad_extend_lens,
         )
 
     def fill(self, fb: ForwardBatch, key: GraphKey, mode: CapturedMode) -> None:
@@ -270,14 +291,16 @@ class StaticInputs:
     def _pad(self, key: GraphKey, mode: CapturedMode, rows: int, tokens: int) -> None:
         """Fill requests rows..key.batch_size (tokens tokens..key.num_tokens) with padding."""
         bs, n, tpr = key.batch_size, key.num_tokens, key.tokens_per_req
-        if rows == bs:  # tokens == n too: nothing to pad
+        if rows == bs and tokens == n:  # nothing to pad
             return
         column = self._pad_column(key.pad_seq_len, tpr)
-        if n == bs:  # one token per request: token and request rows pad the same columns
+        if n == bs and not key.ragged_tokens:  # one token per request: token and request rows pad the same columns
             self.int_rows[:, rows:bs].copy_(column.expand(-1, bs - rows))
         else:
             self.int_rows[:_TOKEN_ROWS, tokens:n].copy_(column[:_TOKEN_ROWS].expand(-1, n - tokens))
             self.int_rows[_TOKEN_ROWS:, rows:bs].copy_(column[_TOKEN_ROWS:].expand(-1, bs - rows))
+        if key.ragged_tokens and tokens < n:  # the padding request: seq_len = extend_len = its tokens
+            self.int_rows[_TOKEN_ROWS + 1 :, rows].fill_(n - tokens)
         if key.tree_cols:  # padded rows see their whole (padding) tree
             self.custom_mask[tokens * key.tree_cols : n * key.tree_cols].fill_(True)
         for _, buffer in self._spec_buffers(mode):
@@ -312,6 +335,7 @@ class StaticInputs:
         slots-only mode: its table rows and KV slots alone, as its eager batch has)."""
         bs, n = key.batch_size, key.num_tokens
         tokens, requests = (0, 0) if mode.slots_only else (n, bs)
+        seq_lens_cpu, extend_seq_lens_cpu = key.padding_lengths(0, 0)
         return ForwardBatch(
             mode=key.mode,
             batch_size=bs,
@@ -321,8 +345,8 @@ class StaticInputs:
             req_pool_indices=self.req_pool_indices[:bs],
             seq_lens=self.seq_lens[:requests],
             extend_seq_lens=self.extend_seq_lens[:requests],
-            seq_lens_cpu=[key.pad_seq_len] * bs,
-            extend_seq_lens_cpu=[key.tokens_per_req] * bs,
+            seq_lens_cpu=seq_lens_cpu,
+            extend_seq_lens_cpu=extend_seq_lens_cpu,
             custom_mask=self.custom_mask[: n * key.tree_cols].view(n, key.tree_cols) if key.tree_cols else None,
             capture_hidden_mode=mode.capture_hidden,
             logits_indices=self.logits_indices[:bs] if mode.logits_at_rows else None,
@@ -352,13 +376,8 @@ class CudaGraphRunner:
         self.modes = dict(modes)
         self.batch_sizes = sorted(batch_sizes)
         self.disable_padding = disable_padding
-        self.keys = [
-            GraphKey(m.mode, b, spec.tokens_per_req, cols, m.program)
-            for m, spec in self.modes.items()
-            for cols in spec.tree_cols
-            for b in self.batch_sizes
-        ]
-        self.max_bs = self.batch_sizes[-1]
+        self.keys = [key for m, spec in self.modes.items() for key in self._mode_keys(m, spec)]
+        self.max_bs = max(key.batch_size for key in self.keys)  # the most request rows of any key
         self.max_tokens_per_req = max(spec.tokens_per_req for spec in self.modes.values())
         self.inputs = StaticInputs(
             self.max_bs,
@@ -367,6 +386,7 @@ class CudaGraphRunner:
             dp_size,
             max(cols for spec in self.modes.values() for cols in spec.tree_cols),
             list(dict.fromkeys(spec.spec_info for spec in self.modes.values() if spec.spec_info is not None)),
+            max((key.ragged_tokens for key in self.keys), default=0),
         )
         # Graphs bake in this table's address; a batch over a replaced table runs eagerly.
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
@@ -378,6 +398,19 @@ class CudaGraphRunner:
         # GPU memory the capture took per group (CapturedMode.group), in capture order: a
         # group's figure is what it added to the groups captured before it.
         self.capture_mib: dict[int, float] = {}
+
+    def _mode_keys(self, mode_key: ModeKey, spec: CapturedMode) -> list[GraphKey]:
+        """The keys captured for a mode: one per token bucket of a ragged mode, else one per tree
+        width and batch size."""
+        if spec.ragged is not None:
+            return [
+                GraphKey(mode_key.mode, spec.ragged.rows(t), 0, 0, mode_key.program, ragged_tokens=t) for t in spec.ragged.buckets
+            ]
+        return [
+            GraphKey(mode_key.mode, b, spec.tokens_per_req, cols, mode_key.program)
+            for cols in spec.tree_cols
+            for b in self.batch_sizes
+        ]
 
     # ------------------------------------------------------------------ choice
     def key_for(self, fb: ForwardBatch, program: Optional[GraphProgram] = None) -> Optional[GraphKey]:
@@ -395,6 +428,8 @@ class CudaGraphRunner:
             )
             return key if fits else None
         mode = self.modes.get(ModeKey(fb.mode, program))
+        if mode is not None and mode.ragged is not None:
+            return self._ragged_key(fb, mode, program)
         if mode is None or fb.batch_size < 1 or fb.num_tokens != fb.batch_size * mode.tokens_per_req:
             return None
         tree_cols = _tree_cols(fb)
@@ -403,13 +438,24 @@ class CudaGraphRunner:
         bs = padded_batch_size(fb.batch_size, self.batch_sizes, self.disable_padding)
         return None if bs is None else GraphKey(fb.mode, bs, mode.tokens_per_req, tree_cols, program)
 
+    def _ragged_key(self, fb: ForwardBatch, mode: CapturedMode, program: Optional[GraphProgram]) -> Optional[GraphKey]:
+        """The key of the smallest token bucket that holds fb's tokens and requests, or None."""
+        if _tree_cols(fb) or not self._matches(fb, mode, 0):
+            return None
+        tokens = mode.ragged.bucket_for(fb.num_tokens, fb.batch_size)
+        if tokens is None:
+            return None
+        return GraphKey(fb.mode, mode.ragged.rows(tokens), 0, 0, program, ragged_tokens=tokens)
+
     @staticmethod
     def _matches(fb: ForwardBatch, mode: CapturedMode, tree_cols: int) -> bool:
-        """fb has exactly the inputs and outputs the mode's graphs were captured with."""
+        """fb has exactly the inputs and outputs the mode's graphs were captured with (no mode
+        captures prompt logprobs)."""
         if fb.mode == ForwardMode.IDLE:  # zero rows: only its DP sizes matter
             return True
         return (
-            (fb.custom_mask is not None) == (tree_cols > 0)
+            fb.input_logprob_rows is None
+            and (fb.custom_mask is not None) == (tree_cols > 0)
             and fb.capture_hidden_mode == mode.capture_hidden
             and (fb.spec_info is not None) == (mode.spec_info is not None)
             and (fb.logits_indices is not None) == mode.logits_at_rows
@@ -426,7 +472,7 @@ class CudaGraphRunner:
         ranks choose alike; tree_cols and the program too are the same on every rank, idle ones
         included): the graph of the largest DP rank's batch, or None (all eager)."""
         mode = self.modes.get(ModeKey(global_mode, program)) if global_mode is not None else None
-        if self.inputs.dp_size is None or mode is None or tree_cols not in mode.tree_cols:
+        if self.inputs.dp_size is None or mode is None or mode.ragged is not None or tree_cols not in mode.tree_cols:
             return None
         tpr = mode.tokens_per_req
         if any(n % tpr for n in global_num_tokens):
@@ -461,9 +507,14 @@ class CudaGraphRunner:
                 self.graphs[key] = self._capture_one(key, pool, stream)
             except torch.OutOfMemoryError as e:
                 free = torch.cuda.mem_get_info(device)[0]
+                smaller = (
+                    "Lower --piecewise-cuda-graph-max-tokens (or drop --enable-piecewise-cuda-graph)"
+                    if key.ragged_tokens
+                    else "Lower --cuda-graph-max-bs"
+                )
                 raise CudaGraphCaptureError(
                     f"Out of GPU memory capturing CUDA graph {key} ({i}/{len(ordered)} done, "
-                    f"{free / _MIB:.0f} MiB free). Lower --cuda-graph-max-bs, lower "
+                    f"{free / _MIB:.0f} MiB free). {smaller}, lower "
                     f"--mem-fraction-static, or pass --disable-cuda-graph."
                 ) from e
             logger.info("Captured CUDA graph %d/%d: %s", i + 1, len(ordered), key)
@@ -472,10 +523,12 @@ class CudaGraphRunner:
                 free, before = torch.cuda.mem_get_info(device)[0], free
                 self.capture_mib[self.group(key)] = (before - free) / _MIB
         groups = ", ".join(f"{group}: {mib:.0f} MiB" for group, mib in self.capture_mib.items() if group)
+        buckets = sorted(key.ragged_tokens for key in self.keys if key.ragged_tokens)
         logger.info(
-            "CUDA graphs: %d captured (batch sizes %s, modes %s) in %.1f s, %.0f MiB of GPU memory%s",
+            "CUDA graphs: %d captured (batch sizes %s,%s modes %s) in %.1f s, %.0f MiB of GPU memory%s",
             len(ordered),
             self.batch_sizes,
+            f" prefill token buckets {buckets}," if buckets else "",
             sorted({m.mode.name for m in self.modes}),
             time.perf_counter() - start,
             (free_before - free) / _MIB,
@@ -485,10 +538,12 @@ class CudaGraphRunner:
     def captured_forward(self, fb: ForwardBatch, runner: Optional[ModelRunner] = None) -> LogitsProcessorOutput:
         """One forward as a graph holds it: metadata from device tensors, then the model (of
         this runner, or of `runner`, whose backend has its graph state from its own capture).
-        Every captured batch gives each request the same number of tokens."""
+        Every captured batch gives each request the same number of tokens, except EXTEND
+        (prefill, ragged): there the longest query is bounded by the batch's token count."""
         runner = runner or self.model_runner
         runner.attach(fb)
-        runner.attn_backend.init_forward_metadata_graph(fb, fb.num_tokens // fb.batch_size)
+        max_extend_len = fb.num_tokens if fb.mode == ForwardMode.EXTEND else fb.num_tokens // fb.batch_size
+        runner.attn_backend.init_forward_metadata_graph(fb, max_extend_len)
         return runner.model.forward(fb.input_ids, fb.positions, fb)
 
     def _run(self, fb: ForwardBatch, key: GraphKey) -> tuple[torch.Tensor, ...]:
@@ -499,13 +554,15 @@ class CudaGraphRunner:
         return (out.next_token_logits,) if out.hidden_states is None else (out.next_token_logits, out.hidden_states)
 
     def ensure_outputs(self, key: GraphKey, warm: tuple[torch.Tensor, ...]) -> None:
-        """The static output buffers of key's mode, shaped after a warm-up run's outputs."""
+        """The static output buffers of key's mode, shaped after a warm-up run's outputs (rows
+        for the mode's largest key)."""
         if key.mode_key in self.outputs:
             return
+        max_rows = max(k.batch_size for k in self.keys if k.mode_key == key.mode_key)
         buffers = []
         for t in warm:
             per_req = t.shape[0] // key.batch_size
-            buffers.append((t.new_empty((self.max_bs * per_req, *t.shape[1:])), per_req))
+            buffers.append((t.new_empty((max_rows * per_req, *t.shape[1:])), per_req))
         self.outputs[key.mode_key] = buffers
 
     def _capture_one(self, key: GraphKey, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:

@@ -33,6 +33,7 @@ from sglang.srt.model_executor.cuda_graph_runner import (
     ModeKey,
     capture_batch_sizes,
 )
+from sglang.srt.model_executor.prefill_graphs import prefill_ragged_tokens
 from sglang.srt.model_loader import get_model
 from sglang.srt.server_args import ServerArgs
 
@@ -271,14 +272,23 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA graphs
     def _graph_modes(self) -> dict[ModeKey, CapturedMode]:
-        """The modes captured in CUDA graphs (empty: no graphs)."""
+        """The modes captured in CUDA graphs (empty: no graphs): graph_modes, and with
+        --enable-piecewise-cuda-graph the prefill (prefill_graphs.py)."""
         args = self.server_args
         if args.disable_cuda_graph or args.device != "cuda":
             return {}
         if not isinstance(self.attn_backend, GraphCapturableBackend):
             logger.info("CUDA graphs off: --attention-backend %s cannot be captured", args.attention_backend)
             return {}
-        return self.graph_modes
+        ragged = prefill_ragged_tokens(args, self.prefill_graph_token_limit(), self.max_running_requests)
+        if ragged is None:
+            return self.graph_modes
+        return {**self.graph_modes, ModeKey(ForwardMode.EXTEND): CapturedMode(0, ragged=ragged)}
+
+    def prefill_graph_token_limit(self) -> int:
+        """The largest prefill graph worth capturing: one prefill batch's tokens, at most one
+        request->token table row (a padding request's KV indices are read from one row)."""
+        return min(self.prefill_token_budget(), self.req_to_token_pool.req_to_token.shape[1])
 
     def _make_graph_runner(self) -> Optional[CudaGraphRunner]:
         modes = self._graph_modes()
