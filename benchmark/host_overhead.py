@@ -195,8 +195,9 @@ def standin_capture(graphs: CudaGraphRunner) -> None:
 
 
 def standin_graph_modes(runner: ModelRunner) -> dict[ModeKey, CapturedMode]:
-    """ModelRunner._graph_modes as on CUDA, whatever the device: the modes it was given."""
-    return runner.graph_modes
+    """ModelRunner._graph_modes as on CUDA, whatever the device: the modes it was given
+    (without prefill graphs, which ServerArgs turns off on CPU)."""
+    return runner.captured_modes(None)
 
 
 def new_scheduler(server_args: ServerArgs, graph_standin: bool) -> Scheduler:

@@ -68,7 +68,7 @@ def _cpu_graphs():
     """ModelRunners built inside capture the modes they are given as on CUDA (at the same
     point of their construction), as _WorkAsGraph graphs."""
     with (
-        mock.patch.object(ModelRunner, "_graph_modes", lambda runner: runner.graph_modes),
+        mock.patch.object(ModelRunner, "_graph_modes", lambda runner: runner.captured_modes(None)),
         mock.patch.object(CudaGraphRunner, "capture", _emulated_capture),
     ):
         yield

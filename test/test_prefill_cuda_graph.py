@@ -10,7 +10,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import replace
 from types import SimpleNamespace
-from typing import ClassVar
+from typing import ClassVar, Optional
 from unittest import mock
 
 import pytest
@@ -27,7 +27,7 @@ from sglang.srt.model_executor.cuda_graph_runner import (
     ModeKey,
     StaticInputs,
 )
-from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_executor.model_runner import PLAIN_GRAPH_MODES, ModelRunner
 from sglang.srt.model_executor.prefill_graphs import (
     RaggedTokens,
     default_token_buckets,
@@ -35,10 +35,13 @@ from sglang.srt.model_executor.prefill_graphs import (
     prefill_token_buckets,
 )
 from sglang.srt.server_args import ServerArgs, prepare_server_args
+from sglang.srt.speculative.spec_info import SpecInput
+from sglang.srt.speculative.spec_plan import SpecSizes
+from sglang.srt.speculative.spec_tier import draft_prefill_graph_mode, target_graph_modes
 from sglang.test.graph_batches import kv_restore, kv_snapshot, lengths_agree, make_runner
 from sglang.test.prefill_batches import PREFILL_CASES, PROMPTS, case_batches
 from sglang.test.sync_counter import SyncCounter
-from sglang.test.triton_harness import patch_interpreter_for_numpy2, rerun_under_interpreter
+from sglang.test.triton_harness import INTERPRETED, patch_interpreter_for_numpy2, rerun_under_interpreter
 
 EXTEND, DECODE = ForwardMode.EXTEND, ForwardMode.DECODE
 # Small buckets: every case below pads differently; 128 holds a request longer than one block
@@ -46,7 +49,7 @@ EXTEND, DECODE = ForwardMode.EXTEND, ForwardMode.DECODE
 RAGGED = RaggedTokens((8, 16, 32, 128), max_rows=4)
 PREFILL = CapturedMode(0, ragged=RAGGED)
 MODES = {ModeKey(DECODE): CapturedMode(1), ModeKey(EXTEND): PREFILL}
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_CHAIN = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -78,22 +81,39 @@ def _gpu_args(**args) -> ServerArgs:
     return ServerArgs(model_path="m", device="cuda", **args)
 
 
-def test_only_the_plain_prefill_is_captured(caplog):
+def test_which_prefills_are_captured(caplog):
     on = dict(enable_piecewise_cuda_graph=True)
     assert prefill_ragged_tokens(_gpu_args(**on), 4096, 256) == RaggedTokens((64, 128, 256, 512, 1024, 2048), 16)
     assert prefill_ragged_tokens(_gpu_args(), 4096, 256) is None  # off by default
     assert prefill_ragged_tokens(_gpu_args(tp_size=2, **on), 4096, 256) is not None  # TP without DP attention
     assert prefill_ragged_tokens(_gpu_args(piecewise_cuda_graph_tokens=[64], **on), 4096, 256).buckets == (64,)
-    # DP attention, speculative decoding: the flag is ignored with a warning (prefill eager).
+    # Speculative prefills too (the target's keeping hidden states, the draft's extend).
+    spec = _gpu_args(speculative_algorithm="NEXTN", **on)
+    assert spec.enable_piecewise_cuda_graph and prefill_ragged_tokens(spec, 4096, 256) is not None
+    # DP attention: the flag is ignored with a warning (prefill eager).
     with caplog.at_level(logging.WARNING):
         dp = _gpu_args(tp_size=2, dp_size=2, enable_dp_attention=True, **on)
-        spec = _gpu_args(speculative_algorithm="NEXTN", **on)
     assert not dp.enable_piecewise_cuda_graph and prefill_ragged_tokens(dp, 4096, 256) is None
-    assert not spec.enable_piecewise_cuda_graph and prefill_ragged_tokens(spec, 4096, 256) is None
     assert "--enable-piecewise-cuda-graph is ignored with --enable-dp-attention" in caplog.text
-    assert "--enable-piecewise-cuda-graph is ignored with --speculative-algorithm" in caplog.text
     # Two running requests at most: rows for them and the padding request.
     assert prefill_ragged_tokens(_gpu_args(**on), 4096, 2).max_rows == 3
+
+
+def test_runners_put_the_server_buckets_in_their_prefill_modes():
+    """A runner's modes at SERVER_PREFILL_BUCKETS get the server's buckets, or are left out
+    when the flag is off: a plain runner's prefill, a speculative target's (hidden states
+    kept) and the draft's extend over the prompt."""
+    plain = SimpleNamespace(graph_modes=PLAIN_GRAPH_MODES)
+    assert ModelRunner.captured_modes(plain, None) == {ModeKey(DECODE): CapturedMode(1)}
+    assert ModelRunner.captured_modes(plain, RAGGED) == MODES
+    target = SimpleNamespace(graph_modes=target_graph_modes(SpecSizes.tiers(_gpu_args(**_CHAIN))))
+    draft = SimpleNamespace(graph_modes=draft_prefill_graph_mode(64, torch.float32))
+    target_prefill = ModelRunner.captured_modes(target, RAGGED)[ModeKey(EXTEND)]
+    assert target_prefill.ragged == RAGGED and target_prefill.capture_hidden == CaptureHiddenMode.FULL
+    assert ModeKey(EXTEND) not in ModelRunner.captured_modes(target, None)
+    draft_prefill = ModelRunner.captured_modes(draft, RAGGED)[ModeKey(ForwardMode.DRAFT_EXTEND)]
+    assert draft_prefill.ragged == RAGGED and draft_prefill.spec_info is not None
+    assert ModelRunner.captured_modes(draft, None) == {}
 
 
 def test_bucket_for():
@@ -128,8 +148,22 @@ def _extend_fb(lens: list[int], prefix: int = 0) -> ForwardBatch:
     )
 
 
+def _draft_extend_fb(lens: list[int]) -> ForwardBatch:
+    """A draft's extend over a prefill's tokens: the target's hidden states in, the last row's out."""
+    fb = _extend_fb(lens)
+    fb.mode, fb.capture_hidden_mode = ForwardMode.DRAFT_EXTEND, CaptureHiddenMode.LAST
+    fb.spec_info = SpecInput(torch.zeros(fb.num_tokens, 64))
+    return fb
+
+
 def _graphs(table: ReqToTokenPool, modes=MODES, dp_size=None) -> CudaGraphRunner:
     return CudaGraphRunner(SimpleNamespace(device="cpu", req_to_token_pool=table), modes, [1, 2, 4], False, dp_size)
+
+
+def _spec_prefill_modes(graph_modes: dict[ModeKey, CapturedMode]) -> dict[ModeKey, CapturedMode]:
+    """A speculative runner's prefill mode at RAGGED's buckets (its cycles' modes left out)."""
+    modes = ModelRunner.captured_modes(SimpleNamespace(graph_modes=graph_modes), RAGGED)
+    return {key: mode for key, mode in modes.items() if mode.ragged is not None}
 
 
 def _choice(graphs: CudaGraphRunner, fb: ForwardBatch, table: ReqToTokenPool):
@@ -155,14 +189,19 @@ def test_key_for_prefill_buckets_or_eager():
     assert _choice(graphs, logprobs, table) is None  # prompt logprobs
     hidden = _extend_fb([5])
     hidden.capture_hidden_mode = CaptureHiddenMode.FULL
-    assert _choice(graphs, hidden, table) is None  # a speculative target's prefill keeps hidden states
-    draft = _extend_fb([5])
-    draft.mode = ForwardMode.DRAFT_EXTEND
-    assert _choice(graphs, draft, table) is None
+    assert _choice(graphs, hidden, table) is None  # a plain runner's prefill graphs keep no hidden states
+    draft = _draft_extend_fb([5])
+    assert _choice(graphs, draft, table) is None  # nor run a draft
     dp = _extend_fb([5])
     dp.global_num_tokens, dp.global_forward_mode = [5, 3], EXTEND
     assert _choice(graphs, dp, table) is None
     assert _choice(_graphs(table, dp_size=2), dp, table) is None  # a DP-attention runner never replays one
+    # A speculative target's prefill and the draft's extend over it replay their runners' graphs.
+    target = _graphs(table, _spec_prefill_modes(target_graph_modes(SpecSizes.tiers(_gpu_args(**_CHAIN)))))
+    assert _choice(target, hidden, table) == _prefill_key(8)
+    assert _choice(target, _extend_fb([5]), table) is None  # it keeps the hidden states
+    draft_graphs = _graphs(table, _spec_prefill_modes(draft_prefill_graph_mode(64, torch.float32)))
+    assert _choice(draft_graphs, _draft_extend_fb([5, 9, 13]), table) == replace(_prefill_key(32), mode=ForwardMode.DRAFT_EXTEND)
     # A decode batch still replays its own graphs.
     decode = _extend_fb([1, 1, 1], prefix=6)
     decode.mode = DECODE
@@ -330,9 +369,9 @@ def test_padded_prefill_matches_unpadded_eager(model_dirs, model):
 
 # ---------------------------------------------------------------------- the captured work, run eagerly
 class _GraphStandIn:
-    """A CUDA graph's stand-in: replay() runs the captured work on the static inputs, with the
-    padded batch's host lengths removed (a graph reads none: they were the capture's). Counts
-    replays per forward mode."""
+    """A CUDA graph's stand-in: replay() runs the captured work on the static inputs, a ragged
+    key's with the padded batch's host lengths removed (its graph reads none: they were the
+    capture's; a uniform key's are the capture's anyway). Counts replays per forward mode."""
 
     replays: ClassVar[dict[ForwardMode, int]] = {}
 
@@ -341,13 +380,15 @@ class _GraphStandIn:
 
     def replay(self) -> None:
         batch = self.graphs.inputs.batch(self.key, self.graphs.modes[self.key.mode_key])
-        assert int(batch.extend_seq_lens.sum()) == self.key.num_tokens, "the padding must complete the bucket"
-        self.graphs.run_into_outputs(_without_host_lengths(batch), self.key)
+        if self.key.ragged_tokens:
+            assert int(batch.extend_seq_lens.sum()) == self.key.num_tokens, "the padding must complete the bucket"
+        self.graphs.run_into_outputs(_without_host_lengths(batch, self.key), self.key)
         _GraphStandIn.replays[self.key.mode] = _GraphStandIn.replays.get(self.key.mode, 0) + 1
 
 
-def _without_host_lengths(fb: ForwardBatch) -> ForwardBatch:
-    return replace(fb, seq_lens_cpu=None, extend_seq_lens_cpu=None)
+def _without_host_lengths(fb: ForwardBatch, key: GraphKey) -> ForwardBatch:
+    """fb without host lengths when key is ragged (a prefill graph's work must not read them)."""
+    return replace(fb, seq_lens_cpu=None, extend_seq_lens_cpu=None) if key.ragged_tokens else fb
 
 
 def emulated_capture(graphs: CudaGraphRunner) -> None:
@@ -358,8 +399,8 @@ def emulated_capture(graphs: CudaGraphRunner) -> None:
     runner.attn_backend.init_cuda_graph_state(graphs.max_bs, graphs.max_bs * width, torch.device(runner.device))
     for key in graphs.capture_order():
         batch = graphs.inputs.padding_batch(key, graphs.modes[key.mode_key])
-        assert lengths_agree(batch), key
-        graphs.ensure_outputs(key, graphs._run(_without_host_lengths(batch), key))
+        assert graphs.modes[key.mode_key].slots_only or lengths_agree(batch), key
+        graphs.ensure_outputs(key, graphs._run(_without_host_lengths(batch, key), key))
         graphs.graphs[key] = _GraphStandIn(graphs, key)
 
 
@@ -452,7 +493,7 @@ def test_graph_path_reads_nothing_back(model_dirs, model):
     key = graphs.key_for(fb)
     graphs.inputs.fill(fb, key, PREFILL)
     with SyncCounter(trace=True) as counter:
-        graphs.run_into_outputs(_without_host_lengths(graphs.inputs.batch(key, PREFILL)), key)
+        graphs.run_into_outputs(_without_host_lengths(graphs.inputs.batch(key, PREFILL), key), key)
     assert _reads_outside_native_moe(counter) == counter.uploads == counter.transfers == 0, counter.sites
 
 
@@ -499,26 +540,26 @@ def test_graph_path_validation_script_equality_check(model_dirs, capsys):
 
 @contextmanager
 def _emulated_prefill_graphs():
-    """ModelRunners capture one-token decode and prefill (RAGGED's buckets) where a CUDA
-    runner captures them, as _GraphStandIn graphs."""
+    """ModelRunners capture their modes, prefill at RAGGED's buckets, where a CUDA runner
+    captures them, as _GraphStandIn graphs."""
     with (
-        mock.patch.object(ModelRunner, "_graph_modes", lambda runner: {**runner.graph_modes, ModeKey(EXTEND): PREFILL}),
+        mock.patch.object(ModelRunner, "_graph_modes", lambda runner: runner.captured_modes(RAGGED)),
         mock.patch.object(CudaGraphRunner, "capture", emulated_capture),
     ):
         yield
 
 
-def _scheduler_greedy(args: ServerArgs, graphs: bool) -> tuple[list[list[int]], dict, dict]:
+def _scheduler_greedy(args: ServerArgs, graphs: bool) -> tuple[list[list[int]], dict, dict, Optional[float]]:
     """Two rounds of requests (the second reuses the first's prefixes from the radix cache):
-    the tokens, and the graph replays and eager forwards per mode."""
+    the tokens, the graph replays and eager forwards per mode, and the accept length."""
     from sglang.test.inprocess_scheduler import greedy, start_scheduler
 
     _GraphStandIn.replays, eager = {}, {}
     forward_eager = ModelRunner.forward_eager
 
-    def counted(runner: ModelRunner, fb: ForwardBatch, *rest):
+    def counted(model_runner: ModelRunner, fb: ForwardBatch, *rest, **kwargs):
         eager[fb.mode] = eager.get(fb.mode, 0) + 1
-        return forward_eager(runner, fb, *rest)
+        return forward_eager(model_runner, fb, *rest, **kwargs)
 
     with mock.patch.object(ModelRunner, "forward_eager", counted):
         if graphs:
@@ -529,7 +570,7 @@ def _scheduler_greedy(args: ServerArgs, graphs: bool) -> tuple[list[list[int]], 
         long_prompt = PROMPTS[2] + PROMPTS[1] + PROMPTS[0]  # 27 tokens: chunks of 16 and 11
         out = greedy(scheduler, [PROMPTS[0], long_prompt], [5, 4])
         out += greedy(scheduler, [PROMPTS[0] + [40, 41, 42], long_prompt[:20] + [50, 51], PROMPTS[1]], [4, 3, 5])
-    return out, dict(_GraphStandIn.replays), eager
+    return out, dict(_GraphStandIn.replays), eager, scheduler.avg_spec_accept_length()
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -549,12 +590,49 @@ def test_graph_path_matches_eager_through_the_scheduler(tiny_deepseek_v3_dir, mi
         chunked_prefill_size=16,
         enable_mixed_chunk=mixed,
     )
-    eager, _, eager_forwards = _scheduler_greedy(args, graphs=False)
-    replayed, replays, left_eager = _scheduler_greedy(args, graphs=True)
+    eager, _, eager_forwards, _ = _scheduler_greedy(args, graphs=False)
+    replayed, replays, left_eager, _ = _scheduler_greedy(args, graphs=True)
     assert replayed == eager
     # Every prefill fits a bucket: all of them replay (and every decode).
     assert replays == {mode: n for mode, n in eager_forwards.items() if mode in (EXTEND, DECODE)}, (replays, eager_forwards)
     assert EXTEND not in left_eager and DECODE not in left_eager, left_eager
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@pytest.mark.parametrize("algorithm", ["NEXTN", "EAGLE"])
+def test_graph_path_matches_eager_speculative(request, algorithm):
+    """Speculative servers (a draft that reproduces the target, so every draft is accepted)
+    with every prefill chunk through graphs' captured work: the target's prefill keeping each
+    token's hidden state, then the draft's extend over the chunk reading them (a per-token
+    input and output of a ragged graph), and whole decode cycles through theirs: the eager
+    tokens and accept length."""
+    patch_interpreter_for_numpy2()
+    if algorithm == "NEXTN":
+        path, spec = request.getfixturevalue("perfect_deepseek_v3_dir"), {}
+    else:
+        path, head = request.getfixturevalue("perfect_llama_pair")
+        spec = dict(speculative_draft_model_path=head)
+    args = ServerArgs(
+        model_path=path,
+        device="cpu",
+        dtype="float32",
+        attention_backend="triton",
+        max_total_tokens=1024,
+        max_running_requests=4,
+        chunked_prefill_size=16,
+        speculative_algorithm=algorithm,
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+        **spec,
+    )
+    eager, _, eager_forwards, eager_accept = _scheduler_greedy(args, graphs=False)
+    replayed, replays, left_eager, accept = _scheduler_greedy(args, graphs=True)
+    assert replayed == eager and accept == eager_accept == 4.0
+    # Each prefill chunk: one target and one draft replay; greedy cycles replay whole.
+    prefills = eager_forwards[EXTEND]
+    assert replays[EXTEND] == replays[ForwardMode.DRAFT_EXTEND] == prefills and replays[ForwardMode.DECODE_CYCLE] > 0, replays
+    assert not left_eager, left_eager
 
 
 # ---------------------------------------------------------------------- CUDA: replay equals eager

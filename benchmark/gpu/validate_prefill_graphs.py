@@ -1,6 +1,7 @@
 """GPU check and timing of prefill CUDA graphs (--enable-piecewise-cuda-graph) against eager prefill.
 
-0. `engine`: tiny random Llama and DeepSeek-V3 checkpoints, float32 and bfloat16, run
+0. `engine`: tiny random Llama and DeepSeek-V3 checkpoints (the latter also with NEXTN 3/1/4,
+   whose target prefill and draft extend replay prefill graphs), float32 and bfloat16, run
    bench_cuda_graph's greedy request groups (1, 4 and 5 prompts of 3 to 32 tokens) through an
    engine with decode graphs and one with prefill graphs too: whether the tokens are identical
    (float32 must be; bfloat16 is reported: the bucket's GEMM shapes differ from eager's).
@@ -64,14 +65,32 @@ CONFIGS = {
 RELATIVE_TOL = 2e-2
 
 
+# (name, checkpoint maker, engine arguments beyond GRAPH_ARGS): plain servers, and a NEXTN
+# server whose target prefill and draft extend replay prefill graphs too.
+ENGINE_CASES = (
+    ("tiny_llama", make_tiny_llama, {}),
+    ("tiny_deepseek_v3", make_tiny_deepseek_v3, {}),
+    (
+        "tiny_deepseek_v3 NEXTN 3/1/4",
+        make_tiny_deepseek_v3,
+        {
+            "speculative_algorithm": "NEXTN",
+            "speculative_num_steps": 3,
+            "speculative_eagle_topk": 1,
+            "speculative_num_draft_tokens": 4,
+        },
+    ),
+)
+
+
 def check_engine() -> bool:
-    """One JSON line per model and dtype; True when every float32 token is identical."""
+    """One JSON line per case and dtype; True when every float32 token is identical."""
     ok = True
-    for name, make in (("tiny_llama", make_tiny_llama), ("tiny_deepseek_v3", make_tiny_deepseek_v3)):
-        path = make(tempfile.mkdtemp(prefix=f"prefill-graph-{name}-"))
+    for name, make, extra in ENGINE_CASES:
+        path = make(tempfile.mkdtemp(prefix="prefill-graph-"))
         for dtype in ("float32", "bfloat16"):
-            decode_only = greedy_tokens(path, dtype, GRAPH_ARGS)
-            with_prefill = greedy_tokens(path, dtype, {**GRAPH_ARGS, "enable_piecewise_cuda_graph": True})
+            decode_only = greedy_tokens(path, dtype, {**GRAPH_ARGS, **extra})
+            with_prefill = greedy_tokens(path, dtype, {**GRAPH_ARGS, **extra, "enable_piecewise_cuda_graph": True})
             identical = decode_only == with_prefill
             ok &= identical or dtype != "float32"
             row = {"check": "engine", "model": name, "dtype": dtype, "identical": identical}

@@ -270,16 +270,14 @@ class ServerArgs:
             self._resolve_speculative_defaults()
 
     def _resolve_piecewise_cuda_graph(self) -> None:
-        """Prefill graphs capture the plain prefill on CUDA: the flag is ignored (one warning) on
-        CPU, under DP attention and under speculative decoding, whose prefills run eagerly."""
+        """Prefill graphs need CUDA: the flag is ignored (one warning) on CPU, and under DP
+        attention, whose prefills run eagerly."""
         if not self.enable_piecewise_cuda_graph:
             return
         if self.device == "cpu":
             reason = "on CPU: CUDA graphs need CUDA"
         elif self.enable_dp_attention:
             reason = "with --enable-dp-attention: prefill runs eagerly"
-        elif self.speculative_algorithm is not None:
-            reason = "with --speculative-algorithm: prefill runs eagerly"
         else:
             return
         logger.warning("--enable-piecewise-cuda-graph is ignored %s", reason)

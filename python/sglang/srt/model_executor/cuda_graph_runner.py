@@ -245,7 +245,7 @@ class StaticInputs:
         self.custom_mask = torch.ones(max_tokens * max_tree_cols, dtype=torch.bool, device=device)
         # One buffer per spec_info attribute (of a shape and dtype), for every mode that carries it.
         self.spec_buffers = {
-            f: torch.zeros((max_tokens, *f[1]), dtype=f[2], device=device) for layout in spec_info_layouts for f in layout.fields
+            f: torch.zeros((columns, *f[1]), dtype=f[2], device=device) for layout in spec_info_layouts for f in layout.fields
         }
 
     def load(self, fb: ForwardBatch, key: GraphKey, mode: CapturedMode) -> ForwardBatch:
@@ -535,34 +535,43 @@ class CudaGraphRunner:
             f" (per group: {groups})" if groups else "",
         )
 
-    def captured_forward(self, fb: ForwardBatch, runner: Optional[ModelRunner] = None) -> LogitsProcessorOutput:
+    def captured_forward(
+        self, fb: ForwardBatch, runner: Optional[ModelRunner] = None, max_extend_len: Optional[int] = None
+    ) -> LogitsProcessorOutput:
         """One forward as a graph holds it: metadata from device tensors, then the model (of
         this runner, or of `runner`, whose backend has its graph state from its own capture).
-        Every captured batch gives each request the same number of tokens, except EXTEND
-        (prefill, ragged): there the longest query is bounded by the batch's token count."""
+        The longest query: max_extend_len (a ragged key's bucket), else the tokens per request
+        (every uniform batch gives each request the same number)."""
         runner = runner or self.model_runner
         runner.attach(fb)
-        max_extend_len = fb.num_tokens if fb.mode == ForwardMode.EXTEND else fb.num_tokens // fb.batch_size
-        runner.attn_backend.init_forward_metadata_graph(fb, max_extend_len)
+        runner.attn_backend.init_forward_metadata_graph(fb, max_extend_len or fb.num_tokens // fb.batch_size)
         return runner.model.forward(fb.input_ids, fb.positions, fb)
 
     def _run(self, fb: ForwardBatch, key: GraphKey) -> tuple[torch.Tensor, ...]:
         """The captured work of key's mode: its program, or one forward (logits[, hidden])."""
         if key.program is not None:
             return key.program(fb, self.captured_forward)
-        out = self.captured_forward(fb)
+        out = self.captured_forward(fb, max_extend_len=key.ragged_tokens or None)
         return (out.next_token_logits,) if out.hidden_states is None else (out.next_token_logits, out.hidden_states)
 
     def ensure_outputs(self, key: GraphKey, warm: tuple[torch.Tensor, ...]) -> None:
         """The static output buffers of key's mode, shaped after a warm-up run's outputs (rows
-        for the mode's largest key)."""
+        for the mode's largest key), each with its rows per request; 0: a row per token (a
+        ragged mode's hidden states of every token)."""
         if key.mode_key in self.outputs:
             return
-        max_rows = max(k.batch_size for k in self.keys if k.mode_key == key.mode_key)
+        keys = [k for k in self.keys if k.mode_key == key.mode_key]
+        per_token = (
+            self.modes[key.mode_key].ragged is not None and self.modes[key.mode_key].capture_hidden == CaptureHiddenMode.FULL
+        )
         buffers = []
-        for t in warm:
-            per_req = t.shape[0] // key.batch_size
-            buffers.append((t.new_empty((max_rows * per_req, *t.shape[1:])), per_req))
+        for i, t in enumerate(warm):
+            if per_token and i == 1:  # (logits, hidden) of one forward: the hidden states
+                rows, per_req = max(k.num_tokens for k in keys), 0
+            else:
+                per_req = t.shape[0] // key.batch_size
+                rows = max(k.batch_size for k in keys) * per_req
+            buffers.append((t.new_empty((rows, *t.shape[1:])), per_req))
         self.outputs[key.mode_key] = buffers
 
     def _capture_one(self, key: GraphKey, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
@@ -592,7 +601,7 @@ class CudaGraphRunner:
         self.graphs[key].replay()
         self.num_replays += 1
         record_graph_replay(key)
-        outs = tuple(buffer[: fb.batch_size * per_req] for buffer, per_req in self.outputs[key.mode_key])
+        outs = tuple(buffer[: fb.batch_size * per_req or fb.num_tokens] for buffer, per_req in self.outputs[key.mode_key])
         if not mode.outputs_as_views:
             outs = tuple(t.clone() for t in outs)
         if key.program is not None:

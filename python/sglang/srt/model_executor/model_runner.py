@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -33,7 +33,7 @@ from sglang.srt.model_executor.cuda_graph_runner import (
     ModeKey,
     capture_batch_sizes,
 )
-from sglang.srt.model_executor.prefill_graphs import prefill_ragged_tokens
+from sglang.srt.model_executor.prefill_graphs import SERVER_PREFILL_BUCKETS, RaggedTokens, prefill_ragged_tokens
 from sglang.srt.model_loader import get_model
 from sglang.srt.server_args import ServerArgs
 
@@ -71,6 +71,13 @@ def ipc_slot_bytes(args: ServerArgs, local_rows: int, hidden: int, vocab: int, i
     return min(tp_bytes, _IPC_SLOT_CAP_BYTES), min(attn_bytes, _IPC_SLOT_CAP_BYTES)
 
 
+# A plain model's runner: one-token decode, and its prefill (logits of each request's last row).
+PLAIN_GRAPH_MODES = {
+    ModeKey(ForwardMode.DECODE): CapturedMode(1),
+    ModeKey(ForwardMode.EXTEND): CapturedMode(0, ragged=SERVER_PREFILL_BUCKETS),
+}
+
+
 @dataclass(frozen=True)
 class RunnerShapes:
     """What a runner sizes beyond one token per request and the context (the defaults)."""
@@ -99,14 +106,15 @@ class ModelRunner:
         """A runner that shares another's KV slots passes its req_to_token_pool and allocator,
         under DP attention its gathered buffer (one buffer per rank), and the embedding and LM
         head its model uses instead of its own (all in place before capture). graph_modes: what
-        its CUDA graphs capture (default: one-token decode). open_ipc_collectives: False when
+        its CUDA graphs capture (default: PLAIN_GRAPH_MODES); a mode at SERVER_PREFILL_BUCKETS
+        is captured at --enable-piecewise-cuda-graph's buckets. open_ipc_collectives: False when
         another runner of the process has opened the IPC buffers, sized for its forwards and
         this one's."""
         self.model_config = model_config
         self.server_args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.shapes = shapes
-        self.graph_modes = {ModeKey(ForwardMode.DECODE): CapturedMode(1)} if graph_modes is None else graph_modes
+        self.graph_modes = PLAIN_GRAPH_MODES if graph_modes is None else graph_modes
         # KV heads are sharded over the attention-TP group (all of TP unless DP attention).
         self.attn_tp_size = server_args.attn_tp_size
         self.device = f"cuda:{gpu_id}" if server_args.device == "cuda" else "cpu"
@@ -272,18 +280,26 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA graphs
     def _graph_modes(self) -> dict[ModeKey, CapturedMode]:
-        """The modes captured in CUDA graphs (empty: no graphs): graph_modes, and with
-        --enable-piecewise-cuda-graph the prefill (prefill_graphs.py)."""
+        """The modes captured in CUDA graphs (empty: no graphs): graph_modes, their prefill
+        modes at --enable-piecewise-cuda-graph's buckets (prefill_graphs.py)."""
         args = self.server_args
         if args.disable_cuda_graph or args.device != "cuda":
             return {}
         if not isinstance(self.attn_backend, GraphCapturableBackend):
             logger.info("CUDA graphs off: --attention-backend %s cannot be captured", args.attention_backend)
             return {}
-        ragged = prefill_ragged_tokens(args, self.prefill_graph_token_limit(), self.max_running_requests)
-        if ragged is None:
-            return self.graph_modes
-        return {**self.graph_modes, ModeKey(ForwardMode.EXTEND): CapturedMode(0, ragged=ragged)}
+        return self.captured_modes(prefill_ragged_tokens(args, self.prefill_graph_token_limit(), self.max_running_requests))
+
+    def captured_modes(self, prefill: Optional[RaggedTokens]) -> dict[ModeKey, CapturedMode]:
+        """graph_modes with `prefill`'s buckets in the modes at SERVER_PREFILL_BUCKETS (None:
+        those modes are left out)."""
+        modes = {}
+        for key, mode in self.graph_modes.items():
+            if mode.ragged != SERVER_PREFILL_BUCKETS:
+                modes[key] = mode
+            elif prefill is not None:
+                modes[key] = replace(mode, ragged=prefill)
+        return modes
 
     def prefill_graph_token_limit(self) -> int:
         """The largest prefill graph worth capturing: one prefill batch's tokens, at most one

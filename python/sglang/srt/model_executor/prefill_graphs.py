@@ -8,9 +8,13 @@ requests replays the smallest bucket that holds it: its requests fill rows 0..bs
 it are empty requests (no tokens, no KV). So a bucket holds the batch when n <= T and
 bs + (1 if n < T else 0) <= R.
 
-Only the plain target prefill is captured: ServerArgs turns --enable-piecewise-cuda-graph off
-under DP attention (every rank would have to replay one key chosen from the plan) and under
-speculative decoding (its prefills keep hidden states for the draft).
+A runner names the prefill forwards it captures among its graph modes, with
+SERVER_PREFILL_BUCKETS in place of the buckets (ModelRunner puts this server's buckets there,
+or drops the mode when the flag is off): a plain runner its prefill (logits of each request's
+last row), a speculative target its prefill keeping every token's hidden state, the draft its
+extend over the prompt (the target's hidden states in, the last row's logits and hidden state
+out). ServerArgs turns --enable-piecewise-cuda-graph off under DP attention (every rank would
+have to replay one key chosen from the plan).
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ class RaggedTokens:
             if num_tokens <= tokens and num_requests + (num_tokens < tokens) <= self.rows(tokens):
                 return tokens
         return None
+
+
+# A ragged mode's buckets before the server's are known: ModelRunner replaces them (see above).
+SERVER_PREFILL_BUCKETS = RaggedTokens(())
 
 
 def default_token_buckets(max_tokens: int) -> list[int]:

@@ -64,7 +64,7 @@ from sglang.srt.speculative.eagle_utils import (
 )
 from sglang.srt.speculative.spec_info import RequestStates, SpecInput, top_guesses
 from sglang.srt.speculative.spec_plan import SpecIterationPlan, SpecSizes, SubForward
-from sglang.srt.speculative.spec_tier import SpecTier, runner_shapes, target_graph_modes
+from sglang.srt.speculative.spec_tier import SpecTier, draft_prefill_graph_mode, runner_shapes, target_graph_modes
 from sglang.srt.utils.transfer import HostCopy, upload
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class EAGLEWorker:
         }
         # The tier of the latest decode cycle launched: a request's cycle in flight is that one.
         self.launched_sizes = self.sizes
-        graph_modes: dict[ModeKey, CapturedMode] = {}
+        graph_modes = draft_prefill_graph_mode(draft_config.hidden_size, draft_config.dtype)
         for tier in self.tiers.values():
             graph_modes.update(tier.draft_graph_modes(draft_config.hidden_size, draft_config.dtype))
         # The draft shares the target's slots, gathered buffer, IPC buffers, embedding and LM head.

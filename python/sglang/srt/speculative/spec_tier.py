@@ -18,6 +18,7 @@ import torch
 from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, GraphProgram, ModeKey
 from sglang.srt.model_executor.model_runner import RunnerShapes
+from sglang.srt.model_executor.prefill_graphs import SERVER_PREFILL_BUCKETS
 from sglang.srt.speculative.decode_cycle import DecodeCycle
 from sglang.srt.speculative.draft_extend_program import DraftExtendProgram
 from sglang.srt.speculative.draft_loop import DraftLoop
@@ -87,8 +88,9 @@ def verify_program(sizes: SpecSizes) -> VerifyProgram:
 
 def target_graph_modes(tiers: tuple[SpecSizes, ...]) -> dict[ModeKey, CapturedMode]:
     """What the target runner's CUDA graphs capture: per tier (its group: the tier's steps),
-    the verify with its greedy acceptance."""
-    return {
+    the verify with its greedy acceptance; and the prefill, keeping every token's hidden state
+    for the draft (at the server's prefill buckets)."""
+    modes = {
         ModeKey(ForwardMode.TARGET_VERIFY, verify_program(sizes)): CapturedMode(
             sizes.num_draft_tokens,
             (sizes.num_draft_tokens,),
@@ -98,6 +100,20 @@ def target_graph_modes(tiers: tuple[SpecSizes, ...]) -> dict[ModeKey, CapturedMo
         )
         for sizes in tiers
     }
+    modes[ModeKey(ForwardMode.EXTEND)] = CapturedMode(0, capture_hidden=CaptureHiddenMode.FULL, ragged=SERVER_PREFILL_BUCKETS)
+    return modes
+
+
+def draft_prefill_graph_mode(hidden_size: int, dtype: torch.dtype) -> dict[ModeKey, CapturedMode]:
+    """The draft's extend over a prefill's tokens (the target's hidden states in; the last
+    row's logits and hidden state out), captured at the server's prefill buckets."""
+    mode = CapturedMode(
+        0,
+        capture_hidden=CaptureHiddenMode.LAST,
+        spec_info=SpecInput.layout(hidden_size, dtype, scores=False),
+        ragged=SERVER_PREFILL_BUCKETS,
+    )
+    return {ModeKey(ForwardMode.DRAFT_EXTEND): mode}
 
 
 def runner_shapes(largest: SpecSizes) -> RunnerShapes:
