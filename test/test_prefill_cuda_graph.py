@@ -573,6 +573,20 @@ def _scheduler_greedy(args: ServerArgs, graphs: bool) -> tuple[list[list[int]], 
     return out, dict(_GraphStandIn.replays), eager, scheduler.avg_spec_accept_length()
 
 
+def _scheduler_args(path: str, **args) -> ServerArgs:
+    """A CPU server on Triton kernels (the interpreter) with prompts chunked at 16 tokens."""
+    return ServerArgs(
+        model_path=path,
+        device="cpu",
+        dtype="float32",
+        attention_backend="triton",
+        max_total_tokens=1024,
+        max_running_requests=4,
+        chunked_prefill_size=16,
+        **args,
+    )
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
 @pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed chunk"])
 def test_graph_path_matches_eager_through_the_scheduler(tiny_deepseek_v3_dir, mixed):
@@ -580,16 +594,7 @@ def test_graph_path_matches_eager_through_the_scheduler(tiny_deepseek_v3_dir, mi
     scheduling; with --enable-mixed-chunk, decode rows inside prefills) with prefills and
     decodes through the graphs' captured work: the eager tokens."""
     patch_interpreter_for_numpy2()
-    args = ServerArgs(
-        model_path=tiny_deepseek_v3_dir,
-        device="cpu",
-        dtype="float32",
-        attention_backend="triton",
-        max_total_tokens=1024,
-        max_running_requests=4,
-        chunked_prefill_size=16,
-        enable_mixed_chunk=mixed,
-    )
+    args = _scheduler_args(tiny_deepseek_v3_dir, enable_mixed_chunk=mixed)
     eager, _, eager_forwards, _ = _scheduler_greedy(args, graphs=False)
     replayed, replays, left_eager, _ = _scheduler_greedy(args, graphs=True)
     assert replayed == eager
@@ -612,20 +617,7 @@ def test_graph_path_matches_eager_speculative(request, algorithm):
     else:
         path, head = request.getfixturevalue("perfect_llama_pair")
         spec = dict(speculative_draft_model_path=head)
-    args = ServerArgs(
-        model_path=path,
-        device="cpu",
-        dtype="float32",
-        attention_backend="triton",
-        max_total_tokens=1024,
-        max_running_requests=4,
-        chunked_prefill_size=16,
-        speculative_algorithm=algorithm,
-        speculative_num_steps=3,
-        speculative_eagle_topk=1,
-        speculative_num_draft_tokens=4,
-        **spec,
-    )
+    args = _scheduler_args(path, **{**_CHAIN, "speculative_algorithm": algorithm, **spec})
     eager, _, eager_forwards, eager_accept = _scheduler_greedy(args, graphs=False)
     replayed, replays, left_eager, accept = _scheduler_greedy(args, graphs=True)
     assert replayed == eager and accept == eager_accept == 4.0
