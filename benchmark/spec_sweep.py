@@ -77,11 +77,15 @@ def count_prefill_batches(server_log: str) -> int:
         return sum("Prefill batch." in line for line in f)
 
 
+def internal_states(base_url: str) -> list[dict[str, Any]]:
+    """Each DP rank's scheduler state, from /get_server_info (in DP-rank order)."""
+    return requests.get(f"{base_url}/get_server_info", timeout=30).json()["internal_states"]
+
+
 def tier_cycles(base_url: str) -> dict[int, int]:
     """Decode cycles per tier since startup, summed over the DP ranks (empty unless adaptive)."""
-    states = requests.get(f"{base_url}/get_server_info", timeout=30).json()["internal_states"]
     total: dict[int, int] = {}
-    for state in states:
+    for state in internal_states(base_url):
         for steps, cycles in state.get("spec_tier_cycles", {}).items():
             total[int(steps)] = total.get(int(steps), 0) + cycles
     return total
@@ -125,6 +129,13 @@ def median_pass(passes: list[dict[str, Any]]) -> dict[str, Any]:
     return {**ranked[(len(ranked) - 1) // 2], "pass_throughputs": [m["output_throughput"] for m in passes]}
 
 
+def throughput_text(m: dict[str, Any]) -> str:
+    """Output tok/s of a pass, with the range over every pass when median_pass chose it among several."""
+    passes = m.get("pass_throughputs", [])
+    spread = f" ({min(passes):.0f}-{max(passes):.0f})" if len(passes) > 1 else ""
+    return f"{m['output_throughput']:.1f}{spread}"
+
+
 def _ratio(value: float, base: Optional[float]) -> str:
     return f"{value / base:.2f}x" if base else "-"
 
@@ -150,10 +161,8 @@ def table(rows: list[tuple[Config, dict[str, Any]]]) -> str:
         accept = f"{m['accept_length']:.2f}" if m["accept_length"] is not None else "-"
         concurrency = m["max_concurrency"]
         tiers = " ".join(f"{s}:{n}" for s, n in sorted(m.get("tier_cycles", {}).items())) or "-"
-        passes = m.get("pass_throughputs", [])
-        spread = f" ({min(passes):.0f}-{max(passes):.0f})" if len(passes) > 1 else ""
         lines.append(
-            f"| {steps} | {topk} | {draft} | {concurrency or '-'} | {accept} | {m['output_throughput']:.1f}{spread} | "
+            f"| {steps} | {topk} | {draft} | {concurrency or '-'} | {accept} | {throughput_text(m)} | "
             f"{m.get('median_tpot_ms', float('nan')):.2f} | {m.get('prefill_batches', '-')} | "
             f"{_ratio(m['output_throughput'], baseline.get(concurrency))} | "
             f"{_ratio(m['output_throughput'], best_fixed.get(concurrency)) if config is not None else '-'} | {tiers} |"
@@ -161,10 +170,15 @@ def table(rows: list[tuple[Config, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> str:
+def split_server_argv(argv: Optional[list[str]]) -> tuple[list[str], list[str]]:
+    """(the flags before `--`, the server flags after it) of argv (default: sys.argv[1:])."""
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
-    argv, server_argv = argv[:split], argv[split + 1 :]
+    return argv[:split], argv[split + 1 :]
+
+
+def main(argv: Optional[list[str]] = None) -> str:
+    argv, server_argv = split_server_argv(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", required=True)
     p.add_argument("--speculative-algorithm", choices=("EAGLE", "NEXTN"), required=True)

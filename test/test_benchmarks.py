@@ -6,7 +6,8 @@
   Llama serves in a server;
 - that server (tiny Llama + trained EAGLE head) answers the MMLU script on a tiny MMLU-format
   set and bench_serving (random and file prompts) with the accept length reported;
-- bench_one_batch on the tiny Llama; spec_sweep's table.
+- bench_one_batch on the tiny Llama; spec_sweep's table; flag_ab's variants, round order and
+  table, and one round of plain against mixed-chunk servers on the tiny Llama.
 """
 
 from __future__ import annotations
@@ -402,6 +403,88 @@ def test_spec_sweep_counts_prefill_batches(tmp_path):
     log = tmp_path / "server.log"
     log.write_text("x Prefill batch. #new-seq: 2\nx Decode batch.\nx Prefill batch. #new-seq: 1\n")
     assert sweep.count_prefill_batches(str(log)) == 2
+
+
+def test_flag_ab_parses_variants_and_alternates_rounds():
+    ab = _load_script("benchmark/flag_ab.py")
+    plain, mixed = ab.parse_variant("plain="), ab.parse_variant("mixed=--enable-mixed-chunk --chunked-prefill-size '64'")
+    assert plain == ab.Variant("plain", ()) and mixed == ab.Variant(
+        "mixed", ("--enable-mixed-chunk", "--chunked-prefill-size", "64")
+    )
+    assert ab.parse_variant("a=b=c").flags == ("b=c",)
+    for bad in ("plain", "=--enable-mixed-chunk"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            ab.parse_variant(bad)
+    assert [[v.name for v in order] for order in ab.round_order([plain, mixed], 3)] == [
+        ["plain", "mixed"],
+        ["mixed", "plain"],
+        ["plain", "mixed"],
+    ]
+    c = ab.Variant("c", ())
+    assert ab.round_order([plain, mixed, c], 2)[1] == [c, mixed, plain]
+    for argv in (
+        ["--variant", "a="],
+        ["--variant", "a=", "--variant", "a=--x"],
+        ["--variant", "a=", "--variant", "b=", "--rounds", "0"],
+    ):
+        with pytest.raises(SystemExit):
+            ab.main(["--model-path", "m", *argv])
+
+
+def test_flag_ab_table_from_the_median_rounds():
+    ab = _load_script("benchmark/flag_ab.py")
+
+    def round_metrics(throughput, ttft, prefills, mixed, stalled):
+        return {
+            "output_throughput": throughput,
+            "mean_ttft_ms": ttft,
+            "median_itl_ms": 1000 / throughput,
+            "p99_itl_ms": 3000 / throughput,
+            "median_tpot_ms": 1100 / throughput,
+            "prefill_batches": prefills,
+            "mixed_prefill_batches": mixed,
+            "stalled_iteration_fraction": stalled,
+        }
+
+    plain = [
+        round_metrics(100.0, 50.0, 40, 0, 0.3),
+        round_metrics(125.0, 45.0, 38, 0, 0.25),
+        round_metrics(110.0, 48.0, 39, 0, 0.28),
+    ]
+    mixed = [round_metrics(140.0, 40.0, 41, 30, 0.1), round_metrics(130.0, 42.0, 40, 29, 0.12)]
+    rows = [
+        (ab.Variant("plain", ()), ab.median_pass(plain)),
+        (ab.Variant("mixed", ("--enable-mixed-chunk",)), ab.median_pass(mixed)),
+    ]
+    lines = ab.table(rows).splitlines()
+    assert lines[0].startswith("| variant | server flags | output tok/s (range) | mean TTFT ms |")
+    assert lines[2] == "| plain | - | 110.0 (100-125) | 48.0 | 9.09 | 27.27 | 10.00 | 39 | 0 | 0.28 |"
+    assert (
+        lines[3] == "| mixed | `--enable-mixed-chunk` | 130.0 (130-140) | 42.0 | 7.69 | 23.08 | 8.46 | 40 | 29 | 0.12 |"
+    )  # lower middle
+    assert "(" not in ab.table([(ab.Variant("one", ()), ab.median_pass(plain[:1]))]).splitlines()[2]
+
+
+def test_flag_ab_runs_two_servers(tiny_llama_unsharded_dir, tmp_path):
+    """One round of plain against mixed chunks on the tiny Llama: every request completes, and
+    only the mixed server's prefills carry decode steps (the prompts take 3 chunks each while
+    others decode)."""
+    ab = _load_script("benchmark/flag_ab.py")
+    out = tmp_path / "ab.json"
+    workload = "--rounds 1 --dataset-name random --random-input-len 48 --random-output-len 8 --random-range-ratio 1"
+    workload += " --num-prompts 6 --max-concurrency 3 -- --device cpu --dtype float32 --chunked-prefill-size 16"
+    result = ab.main(
+        ["--model-path", tiny_llama_unsharded_dir, "--variant", "plain=", "--variant", "mixed=--enable-mixed-chunk"]
+        + ["--output-file", str(out), *workload.split()]
+    )
+    assert [line.split(" | ")[0] for line in result.splitlines()[2:]] == ["| plain", "| mixed"]
+    variants = {v["name"]: v for v in json.loads(out.read_text())["variants"]}
+    assert variants["mixed"]["flags"] == ["--enable-mixed-chunk"]
+    for v in variants.values():
+        (only,) = v["rounds"]
+        assert only["round"] == 0 and only["completed"] == 6 and only["total_output_tokens"] == 48
+        assert only["prefill_batches"] >= 6 and 0.0 <= only["stalled_iteration_fraction"] <= 1.0
+    assert variants["plain"]["median"]["mixed_prefill_batches"] == 0 < variants["mixed"]["median"]["mixed_prefill_batches"]
 
 
 def test_bench_launch_times_the_wrappers_with_launches_stubbed():
