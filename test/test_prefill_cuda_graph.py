@@ -8,7 +8,7 @@ import json
 import logging
 import os
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import ClassVar, Optional
 from unittest import mock
@@ -81,7 +81,7 @@ def _gpu_args(**args) -> ServerArgs:
     return ServerArgs(model_path="m", device="cuda", **args)
 
 
-def test_which_prefills_are_captured(caplog):
+def test_which_prefills_are_captured():
     on = dict(enable_piecewise_cuda_graph=True)
     assert prefill_ragged_tokens(_gpu_args(**on), 4096, 256) == RaggedTokens((64, 128, 256, 512, 1024, 2048), 16)
     assert prefill_ragged_tokens(_gpu_args(), 4096, 256) is None  # off by default
@@ -90,11 +90,9 @@ def test_which_prefills_are_captured(caplog):
     # Speculative prefills too (the target's keeping hidden states, the draft's extend).
     spec = _gpu_args(speculative_algorithm="NEXTN", **on)
     assert spec.enable_piecewise_cuda_graph and prefill_ragged_tokens(spec, 4096, 256) is not None
-    # DP attention: the flag is ignored with a warning (prefill eager).
-    with caplog.at_level(logging.WARNING):
-        dp = _gpu_args(tp_size=2, dp_size=2, enable_dp_attention=True, **on)
-    assert not dp.enable_piecewise_cuda_graph and prefill_ragged_tokens(dp, 4096, 256) is None
-    assert "--enable-piecewise-cuda-graph is ignored with --enable-dp-attention" in caplog.text
+    # DP attention too (every rank replays the bucket chosen from the plan).
+    dp = _gpu_args(tp_size=2, dp_size=2, enable_dp_attention=True, **on)
+    assert dp.enable_piecewise_cuda_graph and prefill_ragged_tokens(dp, 4096, 256) is not None
     # Two running requests at most: rows for them and the padding request.
     assert prefill_ragged_tokens(_gpu_args(**on), 4096, 2).max_rows == 3
 
@@ -128,6 +126,10 @@ def test_bucket_for():
     assert RAGGED.bucket_for(129, 1) is None  # too many tokens
     assert RAGGED.bucket_for(12, 5) is None  # too many requests
     assert RAGGED.bucket_for(0, 0) is None
+    # DP ranks: one bucket for all; an empty batch needs a row for the padding request only.
+    assert RAGGED.bucket_for_all([(5, 1), (0, 0), (12, 3)]) == 16
+    assert RAGGED.bucket_for_all([(8, 4), (9, 1)]) is None  # 4 requests fit 8 exactly, not 16 with padding
+    assert RAGGED.bucket_for_all([(0, 0)]) == 8
 
 
 # ---------------------------------------------------------------------- graph-vs-eager choice
@@ -192,10 +194,6 @@ def test_key_for_prefill_buckets_or_eager():
     assert _choice(graphs, hidden, table) is None  # a plain runner's prefill graphs keep no hidden states
     draft = _draft_extend_fb([5])
     assert _choice(graphs, draft, table) is None  # nor run a draft
-    dp = _extend_fb([5])
-    dp.global_num_tokens, dp.global_forward_mode = [5, 3], EXTEND
-    assert _choice(graphs, dp, table) is None
-    assert _choice(_graphs(table, dp_size=2), dp, table) is None  # a DP-attention runner never replays one
     # A speculative target's prefill and the draft's extend over it replay their runners' graphs.
     target = _graphs(table, _spec_prefill_modes(target_graph_modes(SpecSizes.tiers(_gpu_args(**_CHAIN)))))
     assert _choice(target, hidden, table) == _prefill_key(8)
@@ -206,6 +204,30 @@ def test_key_for_prefill_buckets_or_eager():
     decode = _extend_fb([1, 1, 1], prefix=6)
     decode.mode = DECODE
     assert _choice(graphs, decode, table) == GraphKey(DECODE, 4, 1)
+
+
+def _dp_fb(lens: list[int], mode: ForwardMode, global_tokens: list[int], global_reqs) -> ForwardBatch:
+    """This DP rank's batch (lens: its requests' new tokens) in an EXTEND iteration."""
+    fb = _extend_fb(lens, prefix=4)
+    fb.mode, fb.global_num_tokens, fb.global_forward_mode, fb.global_num_reqs = mode, global_tokens, EXTEND, global_reqs
+    return fb
+
+
+def test_dp_ranks_choose_one_prefill_bucket_from_the_plan():
+    """Under DP attention every rank of a prefill iteration (prefilling, decoding, idle) chooses
+    the same key from the plan's tokens and requests per rank, or all run eagerly."""
+    table = ReqToTokenPool(16, 64, "cpu")
+    dp_graphs = _graphs(table, dp_size=2)
+    plan = ([5, 3], [1, 3])  # rank 0 prefills 5 tokens of one request, rank 1 decodes 3 requests
+    assert _choice(dp_graphs, _dp_fb([5], EXTEND, *plan), table) == _prefill_key(8)
+    assert _choice(dp_graphs, _dp_fb([1, 1, 1], DECODE, *plan), table) == _prefill_key(8)
+    idle = _dp_fb([], ForwardMode.IDLE, [20, 0], [1, 0])
+    assert _choice(dp_graphs, idle, table) == _prefill_key(32)  # the other rank's bucket; its padding alone here
+    # Rank 0's 8 tokens of 4 requests fill bucket 8, but rank 1's 20 tokens need 32, whose 4
+    # rows cannot hold rank 0's 4 requests and a padding request: the next bucket has none either.
+    assert _choice(dp_graphs, _dp_fb([2, 2, 2, 2], EXTEND, [8, 20], [4, 1]), table) is None
+    assert _choice(dp_graphs, _dp_fb([5], EXTEND, [5, 3], None), table) is None  # a rank's prompt logprobs: all eager
+    assert _choice(_graphs(table), _dp_fb([5], EXTEND, *plan), table) is None  # a runner without DP attention
 
 
 # ---------------------------------------------------------------------- static inputs
@@ -540,37 +562,62 @@ def test_graph_path_validation_script_equality_check(model_dirs, capsys):
 
 @contextmanager
 def _emulated_prefill_graphs():
-    """ModelRunners capture their modes, prefill at RAGGED's buckets, where a CUDA runner
-    captures them, as _GraphStandIn graphs."""
+    """ModelRunners capture their modes, prefill at RAGGED's buckets up to the runner's limit
+    (as prefill_ragged_tokens caps them), where a CUDA runner captures them, as _GraphStandIn
+    graphs."""
+
+    def modes(runner: ModelRunner) -> dict[ModeKey, CapturedMode]:
+        buckets = prefill_token_buckets(RAGGED.buckets, None, runner.prefill_graph_token_limit())
+        return runner.captured_modes(RaggedTokens(tuple(buckets), RAGGED.max_rows))
+
     with (
-        mock.patch.object(ModelRunner, "_graph_modes", lambda runner: runner.captured_modes(RAGGED)),
+        mock.patch.object(ModelRunner, "_graph_modes", modes),
         mock.patch.object(CudaGraphRunner, "capture", emulated_capture),
     ):
         yield
 
 
-def _scheduler_greedy(args: ServerArgs, graphs: bool) -> tuple[list[list[int]], dict, dict, Optional[float]]:
-    """Two rounds of requests (the second reuses the first's prefixes from the radix cache):
-    the tokens, the graph replays and eager forwards per mode, and the accept length."""
+_LONG_PROMPT = PROMPTS[2] + PROMPTS[1] + PROMPTS[0]  # 27 tokens: chunks of 16 and 11
+# Two rounds of requests (the second reuses the first's prefixes from the radix cache).
+_ROUNDS = [
+    ([PROMPTS[0], _LONG_PROMPT], [5, 4]),
+    ([PROMPTS[0] + [40, 41, 42], _LONG_PROMPT[:20] + [50, 51], PROMPTS[1]], [4, 3, 5]),
+]
+
+
+@dataclass
+class _SchedulerRun:
+    tokens: list[list[int]]
+    replays: dict[ForwardMode, int]  # graph replays per key mode
+    eager: dict[ForwardMode, int]  # eager forwards per batch mode
+    replayed_as: set[tuple[str, str]]  # (batch mode, key mode) of each replay
+    accept_length: Optional[float]
+
+
+def _scheduler_greedy(args: ServerArgs, graphs: bool, rounds=_ROUNDS, tp_rank: int = 0, port_args=None) -> _SchedulerRun:
+    """Each round's requests sent at once and run to completion, through eager forwards or
+    emulated graphs (the prefill ones at RAGGED's buckets)."""
     from sglang.test.inprocess_scheduler import greedy, start_scheduler
 
-    _GraphStandIn.replays, eager = {}, {}
-    forward_eager = ModelRunner.forward_eager
+    _GraphStandIn.replays, eager, replayed_as = {}, {}, set()
+    forward_eager, replay = ModelRunner.forward_eager, CudaGraphRunner.replay
 
     def counted(model_runner: ModelRunner, fb: ForwardBatch, *rest, **kwargs):
         eager[fb.mode] = eager.get(fb.mode, 0) + 1
         return forward_eager(model_runner, fb, *rest, **kwargs)
 
-    with mock.patch.object(ModelRunner, "forward_eager", counted):
+    def recorded(graph_runner: CudaGraphRunner, fb: ForwardBatch, key: GraphKey):
+        replayed_as.add((fb.mode.name, key.mode.name))
+        return replay(graph_runner, fb, key)
+
+    with mock.patch.object(ModelRunner, "forward_eager", counted), mock.patch.object(CudaGraphRunner, "replay", recorded):
         if graphs:
             with _emulated_prefill_graphs():
-                scheduler = start_scheduler(replace(args, cuda_graph_bs=[1, 2, 4]))
+                scheduler = start_scheduler(replace(args, cuda_graph_bs=[1, 2, 4]), tp_rank, port_args)
         else:
-            scheduler = start_scheduler(args)
-        long_prompt = PROMPTS[2] + PROMPTS[1] + PROMPTS[0]  # 27 tokens: chunks of 16 and 11
-        out = greedy(scheduler, [PROMPTS[0], long_prompt], [5, 4])
-        out += greedy(scheduler, [PROMPTS[0] + [40, 41, 42], long_prompt[:20] + [50, 51], PROMPTS[1]], [4, 3, 5])
-    return out, dict(_GraphStandIn.replays), eager, scheduler.avg_spec_accept_length()
+            scheduler = start_scheduler(args, tp_rank, port_args)
+        tokens = [ids for prompts, max_new in rounds for ids in greedy(scheduler, prompts, max_new)]
+    return _SchedulerRun(tokens, dict(_GraphStandIn.replays), eager, replayed_as, scheduler.avg_spec_accept_length())
 
 
 def _scheduler_args(path: str, **args) -> ServerArgs:
@@ -595,12 +642,14 @@ def test_graph_path_matches_eager_through_the_scheduler(tiny_deepseek_v3_dir, mi
     decodes through the graphs' captured work: the eager tokens."""
     patch_interpreter_for_numpy2()
     args = _scheduler_args(tiny_deepseek_v3_dir, enable_mixed_chunk=mixed)
-    eager, _, eager_forwards, _ = _scheduler_greedy(args, graphs=False)
-    replayed, replays, left_eager, _ = _scheduler_greedy(args, graphs=True)
-    assert replayed == eager
+    eager, graphs = _scheduler_greedy(args, graphs=False), _scheduler_greedy(args, graphs=True)
+    assert graphs.tokens == eager.tokens
     # Every prefill fits a bucket: all of them replay (and every decode).
-    assert replays == {mode: n for mode, n in eager_forwards.items() if mode in (EXTEND, DECODE)}, (replays, eager_forwards)
-    assert EXTEND not in left_eager and DECODE not in left_eager, left_eager
+    assert graphs.replays == {mode: n for mode, n in eager.eager.items() if mode in (EXTEND, DECODE)}, (
+        graphs.replays,
+        eager.eager,
+    )
+    assert EXTEND not in graphs.eager and DECODE not in graphs.eager, graphs.eager
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -618,13 +667,59 @@ def test_graph_path_matches_eager_speculative(request, algorithm):
         path, head = request.getfixturevalue("perfect_llama_pair")
         spec = dict(speculative_draft_model_path=head)
     args = _scheduler_args(path, **{**_CHAIN, "speculative_algorithm": algorithm, **spec})
-    eager, _, eager_forwards, eager_accept = _scheduler_greedy(args, graphs=False)
-    replayed, replays, left_eager, accept = _scheduler_greedy(args, graphs=True)
-    assert replayed == eager and accept == eager_accept == 4.0
+    eager, graphs = _scheduler_greedy(args, graphs=False), _scheduler_greedy(args, graphs=True)
+    assert graphs.tokens == eager.tokens and graphs.accept_length == eager.accept_length == 4.0
     # Each prefill chunk: one target and one draft replay; greedy cycles replay whole.
-    prefills = eager_forwards[EXTEND]
-    assert replays[EXTEND] == replays[ForwardMode.DRAFT_EXTEND] == prefills and replays[ForwardMode.DECODE_CYCLE] > 0, replays
-    assert not left_eager, left_eager
+    replays = graphs.replays
+    assert (
+        replays[EXTEND] == replays[ForwardMode.DRAFT_EXTEND] == eager.eager[EXTEND] and replays[ForwardMode.DECODE_CYCLE] > 0
+    ), replays
+    assert not graphs.eager, graphs.eager
+
+
+# DP rank 0 prefills 59 tokens in four chunks of at most 16; rank 1 prefills its one request
+# with rank 0's first chunk, decodes it beside the second chunk, then idles beside the others.
+_DP_REQUESTS = [
+    ([_LONG_PROMPT, _LONG_PROMPT[::-1], PROMPTS[0]], [4, 3, 5]),
+    ([PROMPTS[1]], [2]),
+]
+
+
+def _dp_prefill_worker(rank: int, args: ServerArgs, port_args, results) -> None:
+    patch_interpreter_for_numpy2()  # a spawned rank: no conftest ran here
+    torch.set_num_threads(1)
+    run = _scheduler_greedy(args, True, [_DP_REQUESTS[rank]], rank, port_args)
+    results[rank] = (run.tokens, {m.name for m in run.eager}, run.replayed_as, run.accept_length)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "NEXTN"])
+def test_graph_path_matches_eager_dp_attention(request, spec):
+    """--tp 2 --dp 2 --enable-dp-attention with prefill graphs: in every prefill iteration
+    both ranks replay the one bucket chosen from the plan, the rank that prefills, the one
+    that decodes (plain: through the prefill graph; NEXTN: idle in the prefill phase) and the
+    idle one; nothing runs eagerly, and the tokens (and NEXTN's accept length 4.0 with a
+    draft that reproduces the target) are the single-rank eager ones."""
+    import torch.multiprocessing as mp
+
+    from sglang.srt.server_args import PortArgs
+
+    path = request.getfixturevalue("perfect_deepseek_v3_dir" if spec else "tiny_deepseek_v3_dir")
+    spec_args = {**_CHAIN, "speculative_algorithm": "NEXTN"} if spec else {}
+    everything = tuple(map(list.__add__, *_DP_REQUESTS))
+    single = _scheduler_greedy(_scheduler_args(path, **spec_args), False, [everything])
+    args = _scheduler_args(path, tp_size=2, dp_size=2, enable_dp_attention=True, **spec_args)
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_dp_prefill_worker, args=(args, PortArgs.init_new(args), results), nprocs=2)
+    (tokens0, eager0, replayed0, accept0), (tokens1, eager1, replayed1, accept1) = results[0], results[1]
+    assert tokens0 == single.tokens[:3] and tokens1 == single.tokens[3:]
+    assert not eager0 and not eager1, (eager0, eager1)
+    assert ("EXTEND", "EXTEND") in replayed0 and ("EXTEND", "EXTEND") in replayed1
+    if spec:
+        assert accept0 == accept1 == 4.0
+        assert {("IDLE", "EXTEND"), ("IDLE", "DRAFT_EXTEND")} <= replayed1, replayed1
+    else:
+        assert ("DECODE", "EXTEND") in replayed1 and ("IDLE", "EXTEND") in replayed1, replayed1
 
 
 # ---------------------------------------------------------------------- CUDA: replay equals eager

@@ -123,6 +123,9 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
   prefill-graphs)  # prefill CUDA graphs (--enable-piecewise-cuda-graph): tests, equality with eager, prefill time with and without
     step prefill_graph_tests 300 python3 -m pytest -q -x test/test_prefill_cuda_graph.py
     step prefill_graphs 450 python3 benchmark/gpu/validate_prefill_graphs.py --models small-deepseek llama8b
+    # DP attention with NEXTN, ranks sharing the GPU: prefill graphs replayed by every rank, tokens exact
+    step prefill_graphs_dp 450 python3 benchmark/gpu/validate_shared_gpu.py --out "$out" --parallel tp2dp2 --checks exact \
+      --specs chain --modes prefill-graphs
     small_dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmark"); from bench_decode import dummy_model_dir
 print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     for flags in "" "--enable-piecewise-cuda-graph"; do

@@ -6,7 +6,8 @@ GPU (--gpu-id-step 0), its collectives through the IPC buffers. Run on the devic
 
 Checks (each prints JSON lines and appends them to $OUT/shared_gpu.jsonl):
 - exact: the tiny DeepSeek-V3 with MTP in float32, NEXTN chain (3/1/4) and tree (topk 4, 8
-  draft tokens), eager and with CUDA graphs: 32 prompts of mixed lengths sent together and
+  draft tokens), eager and with CUDA graphs (`--modes prefill-graphs`: prefill graphs too, every
+  rank replaying one bucket in each prefill iteration): 32 prompts of mixed lengths sent together and
   then staggered give the greedy tokens of the single-rank run without speculation;
   `--specs adaptive`: --speculative-adaptive over 1, 3 and 5 steps with the tier forced to
   change every few cycles (through 1 step and back), each tier with its own graphs;
@@ -200,10 +201,14 @@ def exact_reference(out: str, tiny: str, items: list) -> list:
     return reference
 
 
+# --modes: the server flags of each.
+MODE_FLAGS = {"eager": ["--disable-cuda-graph"], "graphs": [], "prefill-graphs": ["--enable-piecewise-cuda-graph"]}
+
+
 def check_exact(out: str, parallel: str, tiny: str, items: list, reference: list, specs: list[str], modes: list[str]) -> None:
     for spec in specs:
-        for graphs in (mode == "graphs" for mode in modes):
-            flags = [*PARALLEL[parallel], *SHARED, *SPECS[spec], *([] if graphs else ["--disable-cuda-graph"])]
+        for mode in modes:
+            flags = [*PARALLEL[parallel], *SHARED, *SPECS[spec], *MODE_FLAGS[mode]]
 
             def body(server: Server) -> dict:
                 together = generate(server.url, items)
@@ -217,7 +222,7 @@ def check_exact(out: str, parallel: str, tiny: str, items: list, reference: list
                     "ranks": states,
                 }
 
-            run_server(out, f"exact {parallel} {spec} {'graphs' if graphs else 'eager'}", tiny, flags, body)
+            run_server(out, f"exact {parallel} {spec} {mode}", tiny, flags, body)
 
 
 def check_perfect(out: str, parallel: str, perfect: str) -> None:
@@ -300,7 +305,7 @@ def check_trained(out: str, parallel: str, models: str, modes: list[str], num_pr
     for mode in modes:
         run(
             f"{parallel} {mode}",
-            [*PARALLEL[parallel], *SHARED, *SPECS["chain"], *ROUND_ROBIN, *(["--disable-cuda-graph"] if mode == "eager" else [])],
+            [*PARALLEL[parallel], *SHARED, *SPECS["chain"], *ROUND_ROBIN, *MODE_FLAGS[mode]],
         )
     single, eager, graphs = (runs.get(k) for k in ("1 rank graphs", f"{parallel} eager", f"{parallel} graphs"))
     if single and graphs:
@@ -356,9 +361,9 @@ def main() -> None:
     p.add_argument(
         "--modes",
         nargs="+",
-        choices=("eager", "graphs"),
+        choices=sorted(MODE_FLAGS),
         default=["eager", "graphs"],
-        help="exact and trained: eager and/or graphs",
+        help="exact and trained: eager, CUDA graphs (decode), prefill-graphs (decode and prefill)",
     )
     p.add_argument("--trained-prompts", type=int, default=32, help="trained: held-out prompts sent, one at a time")
     p.add_argument("--models", default=os.environ.get("MODELS", "/tmp/bench_models"))

@@ -270,18 +270,10 @@ class ServerArgs:
             self._resolve_speculative_defaults()
 
     def _resolve_piecewise_cuda_graph(self) -> None:
-        """Prefill graphs need CUDA: the flag is ignored (one warning) on CPU, and under DP
-        attention, whose prefills run eagerly."""
-        if not self.enable_piecewise_cuda_graph:
-            return
-        if self.device == "cpu":
-            reason = "on CPU: CUDA graphs need CUDA"
-        elif self.enable_dp_attention:
-            reason = "with --enable-dp-attention: prefill runs eagerly"
-        else:
-            return
-        logger.warning("--enable-piecewise-cuda-graph is ignored %s", reason)
-        self.enable_piecewise_cuda_graph = False
+        """Prefill graphs need CUDA: on CPU the flag is ignored (one warning)."""
+        if self.enable_piecewise_cuda_graph and self.device == "cpu":
+            logger.warning("--enable-piecewise-cuda-graph is ignored on CPU: CUDA graphs need CUDA")
+            self.enable_piecewise_cuda_graph = False
 
     def _fall_back_from_flashinfer(self, fallback: str) -> None:
         """SGLang command lines name flashinfer; this server has no flashinfer backend, so they

@@ -98,6 +98,10 @@ class ForwardBatch:
     # DP attention: DECODE when every DP rank decodes or idles (then all ranks replay the same
     # padded decode graph, idle ones included), EXTEND when any rank extends.
     global_forward_mode: Optional[ForwardMode] = None
+    # DP attention, an EXTEND iteration: requests of every DP rank, from which every rank
+    # chooses the same prefill graph; None: every rank's prefill runs eagerly (a rank computes
+    # prompt logprobs, which no graph holds).
+    global_num_reqs: Optional[list[int]] = None
     gathered_buffer: Optional[torch.Tensor] = None
     # Set by the model runner before the forward.
     attn_backend: Optional[LayerAttention] = None

@@ -139,6 +139,7 @@ class ScheduleBatch:
     global_num_tokens: Optional[list[int]] = None
     # DP attention: DECODE when no DP rank extends this iteration (decode graphs may replay).
     global_forward_mode: Optional[ForwardMode] = None
+    global_num_reqs: Optional[list[int]] = None  # see ForwardBatch.global_num_reqs
     # Decode (or a mixed extend's decode rows) under overlap scheduling: input_ids[future_dst[j]]
     # = future.ids[future_src[j]], filled on the device (the host list holds placeholders
     # there); when both are every row in order, the device input ids are a view of future.ids.
@@ -269,6 +270,7 @@ class ScheduleBatch:
             extend_seq_lens_cpu=list(self.extend_lens),
             global_num_tokens=self.global_num_tokens,
             global_forward_mode=self.global_forward_mode,
+            global_num_reqs=self.global_num_reqs,
             input_logprob_rows=logprob_rows if self.input_logprob_rows else None,
             input_logprob_next_ids=logprob_next_ids,
             input_top_logprobs_num=self.input_top_logprobs_num,

@@ -43,6 +43,7 @@ class LocalPlan:
     is_extend: int = 0  # 1 when this rank runs a prefill batch
     has_work: int = 0  # 1 when this rank holds requests (queued, running or in flight)
     prefill_wait: int = 0  # iterations this rank has held prefills (managers/dp_prefill_align.py)
+    prompt_logprobs: int = 0  # 1 when this rank's prefill computes prompt logprobs (no prefill graph holds them)
     # --speculative-adaptive: drafts accepted and rejected over this rank's recent verify cycles.
     spec_accepted: int = 0
     spec_rejected: int = 0
@@ -68,6 +69,14 @@ class GlobalPlan:
     @property
     def any_extend(self) -> bool:
         return any(p.is_extend for p in self.per_rank)
+
+    @property
+    def prefill_graph_reqs(self) -> Optional[list[int]]:
+        """ForwardBatch.global_num_reqs of an EXTEND iteration: every DP rank's requests, or
+        None when some rank computes prompt logprobs (every rank's prefill runs eagerly)."""
+        if any(p.prompt_logprobs for p in self.per_rank):
+            return None
+        return [p.num_reqs for p in self.per_rank]
 
     @property
     def all_idle(self) -> bool:

@@ -256,6 +256,7 @@ class Scheduler:
             num_reqs=len(batch.reqs) if batch else 0,
             is_extend=int(batch is not None and batch.mode == ForwardMode.EXTEND),
             has_work=int(self.has_work()),
+            prompt_logprobs=int(batch is not None and bool(batch.input_logprob_rows)),
             prefill_wait=self.prefill_hold.report(
                 wants_prefill=bool(self.waiting),
                 prefilled=batch is not None and batch.mode == ForwardMode.EXTEND,
@@ -272,6 +273,7 @@ class Scheduler:
         batch = batch or ScheduleBatch.idle()
         batch.global_num_tokens = plan.global_num_tokens
         batch.global_forward_mode = ForwardMode.EXTEND if plan.any_extend else ForwardMode.DECODE
+        batch.global_num_reqs = plan.prefill_graph_reqs if plan.any_extend else None
         if self.server_args.debug_collectives:
             descriptor = {"global_num_tokens": plan.global_num_tokens}
             if self.spec_worker is not None:

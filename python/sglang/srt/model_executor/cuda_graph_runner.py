@@ -419,6 +419,9 @@ class CudaGraphRunner:
         if fb.req_to_token_pool.req_to_token is not self.req_to_token:
             return None
         if fb.global_num_tokens is not None:
+            global_mode = self.modes.get(ModeKey(fb.global_forward_mode, program)) if fb.global_forward_mode else None
+            if global_mode is not None and global_mode.ragged is not None:
+                return self._dp_ragged_key(fb, global_mode, program)
             key = self.dp_key(fb.global_forward_mode, fb.global_num_tokens, _tree_cols(fb), program)
             fits = (
                 key is not None
@@ -446,6 +449,21 @@ class CudaGraphRunner:
         if tokens is None:
             return None
         return GraphKey(fb.mode, mode.ragged.rows(tokens), 0, 0, program, ragged_tokens=tokens)
+
+    def _dp_ragged_key(self, fb: ForwardBatch, mode: CapturedMode, program: Optional[GraphProgram]) -> Optional[GraphKey]:
+        """DP attention, a prefill iteration: the token bucket every rank replays, chosen from
+        the plan alone (the smallest that holds every DP rank's batch; an idle rank's is the
+        padding request alone), or None (every rank eager). A rank that decodes in this
+        iteration replays it too: its requests extend by one token each."""
+        reqs = fb.global_num_reqs
+        if self.inputs.dp_size is None or reqs is None or not self._matches(fb, mode, 0) or _tree_cols(fb):
+            return None
+        if fb.mode not in (fb.global_forward_mode, ForwardMode.DECODE, ForwardMode.IDLE):
+            return None
+        tokens = mode.ragged.bucket_for_all(list(zip(fb.global_num_tokens, reqs)))
+        if tokens is None:
+            return None
+        return GraphKey(fb.global_forward_mode, mode.ragged.rows(tokens), 0, 0, program, ragged_tokens=tokens)
 
     @staticmethod
     def _matches(fb: ForwardBatch, mode: CapturedMode, tree_cols: int) -> bool:

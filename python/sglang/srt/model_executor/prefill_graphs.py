@@ -13,8 +13,8 @@ SERVER_PREFILL_BUCKETS in place of the buckets (ModelRunner puts this server's b
 or drops the mode when the flag is off): a plain runner its prefill (logits of each request's
 last row), a speculative target its prefill keeping every token's hidden state, the draft its
 extend over the prompt (the target's hidden states in, the last row's logits and hidden state
-out). ServerArgs turns --enable-piecewise-cuda-graph off under DP attention (every rank would
-have to replay one key chosen from the plan).
+out). Under DP attention every rank replays the same bucket in a prefill iteration, chosen from
+the plan (CudaGraphRunner._dp_ragged_key), or every rank runs eagerly.
 """
 
 from __future__ import annotations
@@ -45,10 +45,13 @@ class RaggedTokens:
     def bucket_for(self, num_tokens: int, num_requests: int) -> Optional[int]:
         """The smallest bucket holding num_tokens tokens of num_requests requests (and, when
         some of its tokens are padding, the padding request), or None (eager)."""
-        if num_requests < 1:
-            return None
+        return self.bucket_for_all([(num_tokens, num_requests)]) if num_requests >= 1 else None
+
+    def bucket_for_all(self, batches: Sequence[tuple[int, int]]) -> Optional[int]:
+        """The smallest bucket holding each (tokens, requests) batch as bucket_for does (an
+        empty batch: the padding request alone), or None: what DP ranks replay together."""
         for tokens in self.buckets:
-            if num_tokens <= tokens and num_requests + (num_tokens < tokens) <= self.rows(tokens):
+            if all(n <= tokens and r + (n < tokens) <= self.rows(tokens) for n, r in batches):
                 return tokens
         return None
 

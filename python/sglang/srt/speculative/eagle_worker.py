@@ -72,10 +72,10 @@ logger = logging.getLogger(__name__)
 NEXTN_ARCHITECTURE = "DeepseekV3ForCausalLMNextN"
 _TARGET_SUB_FORWARDS = (SubForward.TARGET_EXTEND, SubForward.TARGET_VERIFY)
 # Under DP attention, the mode every rank (idle ones too) names a sub-forward by when choosing
-# its CUDA graph; the draft extend after a prefill has varying lengths and stays eager.
+# its CUDA graph (the prefill phase's: the target's and the draft's prefill graphs).
 _GLOBAL_MODE = {
     SubForward.TARGET_EXTEND: ForwardMode.EXTEND,
-    SubForward.DRAFT_EXTEND_PREFILL: ForwardMode.EXTEND,
+    SubForward.DRAFT_EXTEND_PREFILL: ForwardMode.DRAFT_EXTEND,
     SubForward.DRAFT_LOOP: ForwardMode.DRAFT_DECODE,
     SubForward.TARGET_VERIFY: ForwardMode.TARGET_VERIFY,
     SubForward.DRAFT_EXTEND: ForwardMode.DRAFT_EXTEND,
@@ -235,6 +235,7 @@ class EAGLEWorker:
         fb.global_num_tokens = it.global_num_tokens(kind)
         if fb.global_num_tokens is not None:
             fb.global_forward_mode = _GLOBAL_MODE[kind]
+            fb.global_num_reqs = it.global_num_reqs(kind)
         buffer = runner.gathered_buffer
         if fb.spec_info is not None and buffer is not None and fb.num_tokens:
             # Invariant: a hidden state handed to the draft is never a view of the gathered buffer.

@@ -85,18 +85,23 @@ class SpecSizes:
 class SpecIterationPlan:
     """extend_tokens[d]: tokens DP rank d prefills (None: no extend phase this iteration);
     decode_reqs[d]: requests DP rank d decodes (None: no decode phase). One entry per DP rank
-    under DP attention, else a single entry (this rank's own batch). Same on every rank."""
+    under DP attention, else a single entry (this rank's own batch). Same on every rank.
+    extend_reqs: under DP attention, the requests each DP rank prefills, when every rank's
+    prefill may replay a graph (None: no extend phase, or a rank computes prompt logprobs)."""
 
     sizes: SpecSizes
     extend_tokens: Optional[tuple[int, ...]]
     decode_reqs: Optional[tuple[int, ...]]
     dp_attention: bool
+    extend_reqs: Optional[tuple[int, ...]] = None
 
     @classmethod
     def from_global(cls, plan: GlobalPlan, sizes: SpecSizes) -> SpecIterationPlan:
         extend = tuple(p.num_tokens if p.is_extend else 0 for p in plan.per_rank)
         decode = tuple(0 if p.is_extend else p.num_reqs for p in plan.per_rank)
-        return cls(sizes, extend if any(extend) else None, decode if any(decode) else None, True)
+        graph_reqs = plan.prefill_graph_reqs if any(extend) else None
+        extend_reqs = None if graph_reqs is None else tuple(n if p.is_extend else 0 for n, p in zip(graph_reqs, plan.per_rank))
+        return cls(sizes, extend if any(extend) else None, decode if any(decode) else None, True, extend_reqs)
 
     @classmethod
     def local(cls, mode: ForwardMode, num_tokens: int, num_reqs: int, sizes: SpecSizes) -> SpecIterationPlan:
@@ -116,6 +121,13 @@ class SpecIterationPlan:
     def global_num_tokens(self, kind: SubForward) -> Optional[list[int]]:
         """ForwardBatch.global_num_tokens of a sub-forward (None without DP attention)."""
         return list(self.rows(kind)) if self.dp_attention else None
+
+    def global_num_reqs(self, kind: SubForward) -> Optional[list[int]]:
+        """ForwardBatch.global_num_reqs of a sub-forward (None outside the extend phase and
+        without DP attention)."""
+        if kind in (SubForward.TARGET_EXTEND, SubForward.DRAFT_EXTEND_PREFILL) and self.extend_reqs is not None:
+            return list(self.extend_reqs)
+        return None
 
     def extend_phase(self) -> list[SubForward]:
         if self.extend_tokens is None:
