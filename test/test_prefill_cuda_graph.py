@@ -18,6 +18,7 @@ import torch
 
 from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.scheduler_comm import GlobalPlan, LocalPlan
 from sglang.srt.mem_cache.memory_pool import DUMMY_KV_SLOT, DUMMY_REQ_ROW, ReqToTokenPool
 from sglang.srt.model_executor.cuda_graph_runner import (
     CapturedMode,
@@ -36,7 +37,7 @@ from sglang.srt.model_executor.prefill_graphs import (
 )
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 from sglang.srt.speculative.spec_info import SpecInput
-from sglang.srt.speculative.spec_plan import SpecSizes
+from sglang.srt.speculative.spec_plan import SpecIterationPlan, SpecSizes, SubForward
 from sglang.srt.speculative.spec_tier import draft_prefill_graph_mode, target_graph_modes
 from sglang.test.graph_batches import kv_restore, kv_snapshot, lengths_agree, make_runner
 from sglang.test.prefill_batches import PREFILL_CASES, PROMPTS, case_batches
@@ -228,6 +229,19 @@ def test_dp_ranks_choose_one_prefill_bucket_from_the_plan():
     assert _choice(dp_graphs, _dp_fb([2, 2, 2, 2], EXTEND, [8, 20], [4, 1]), table) is None
     assert _choice(dp_graphs, _dp_fb([5], EXTEND, [5, 3], None), table) is None  # a rank's prompt logprobs: all eager
     assert _choice(_graphs(table), _dp_fb([5], EXTEND, *plan), table) is None  # a runner without DP attention
+
+
+def test_the_plan_carries_the_prefill_graph_requests():
+    """Every DP rank's requests reach the prefill graph choice, unless a rank computes prompt
+    logprobs (then none: every rank eager); a speculative prefill phase counts only the ranks
+    that prefill (the others are idle in it)."""
+    prefill, decode = LocalPlan(num_tokens=9, num_reqs=2, is_extend=1), LocalPlan(num_tokens=3, num_reqs=3)
+    plan = GlobalPlan((prefill, decode))
+    assert plan.prefill_graph_reqs == [2, 3]
+    assert GlobalPlan((replace(prefill, prompt_logprobs=1), decode)).prefill_graph_reqs is None
+    it = SpecIterationPlan.from_global(plan, SpecSizes.tiers(_gpu_args(**_CHAIN))[-1])
+    assert it.global_num_reqs(SubForward.TARGET_EXTEND) == it.global_num_reqs(SubForward.DRAFT_EXTEND_PREFILL) == [2, 0]
+    assert it.global_num_tokens(SubForward.TARGET_EXTEND) == [9, 0] and it.global_num_reqs(SubForward.TARGET_VERIFY) is None
 
 
 # ---------------------------------------------------------------------- static inputs
