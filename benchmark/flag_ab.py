@@ -24,11 +24,9 @@ Per variant the table shows the round of median output throughput (the lower mid
 even count) with the range of all rounds beside it, and that round's mean TTFT, median and p99
 ITL, median TPOT, and from the server: the "Prefill batch." lines of its log and the
 `mixed_prefill_batches` of /get_server_info during the recorded pass (both include
-bench_serving's one unmeasured warm-up request), and `stalled_iteration_fraction`: among the
-iterations with running requests, those without a decode step. The server keeps that fraction
-since launch, not as counts, so it covers the warm-up passes and the recorded one (the same
-workload); with several DP ranks it is their mean. --output-file writes every round's metrics
-as JSON.
+bench_serving's one unmeasured warm-up request), and the stalled-iteration fraction of that
+pass: among the iterations with running requests, those without a decode step (from the
+server's counts, summed over DP ranks). --output-file writes every round's metrics as JSON.
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ import argparse
 import json
 import os
 import shlex
-import statistics
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -69,9 +66,12 @@ def round_order(variants: list[Variant], rounds: int) -> list[list[Variant]]:
     return [variants if r % 2 == 0 else variants[::-1] for r in range(rounds)]
 
 
-def mixed_prefill_batches(base_url: str) -> int:
-    """Prefill batches that carried running requests' decode steps since launch, all DP ranks."""
-    return sum(s["mixed_prefill_batches"] for s in internal_states(base_url))
+def server_counts(base_url: str) -> dict[str, int]:
+    """Counters since launch, summed over DP ranks: prefill batches that carried running
+    requests' decode steps, iterations with running requests, and those without a decode step."""
+    states = internal_states(base_url)
+    keys = ("mixed_prefill_batches", "running_iterations", "stalled_iterations")
+    return {key: sum(s[key] for s in states) for key in keys}
 
 
 def run_round(
@@ -84,17 +84,17 @@ def run_round(
         run_args = argparse.Namespace(**{**vars(bench_args), "base_url": server.base_url, "flush_cache": True})
         for _ in range(args.warmup_passes):
             run_benchmark(run_args)
-        prefills_before, mixed_before = count_prefill_batches(server.log_path), mixed_prefill_batches(server.base_url)
+        prefills_before, counts_before = count_prefill_batches(server.log_path), server_counts(server.base_url)
         metrics = run_benchmark(run_args)
         if metrics["completed"] < metrics["num_prompts"]:
             raise RuntimeError(
                 f"{variant.name}: {metrics['num_prompts'] - metrics['completed']} requests failed: {metrics['errors']}"
             )
         metrics["prefill_batches"] = count_prefill_batches(server.log_path) - prefills_before
-        metrics["mixed_prefill_batches"] = mixed_prefill_batches(server.base_url) - mixed_before
-        metrics["stalled_iteration_fraction"] = statistics.fmean(
-            s["stalled_iteration_fraction"] for s in internal_states(server.base_url)
-        )
+        counts = {key: n - counts_before[key] for key, n in server_counts(server.base_url).items()}
+        metrics["mixed_prefill_batches"] = counts["mixed_prefill_batches"]
+        running = counts["running_iterations"]
+        metrics["stalled_iteration_fraction"] = counts["stalled_iterations"] / running if running else 0.0
         return metrics
     finally:
         kill_server(server)

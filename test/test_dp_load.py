@@ -117,6 +117,7 @@ def test_balance_ratio_and_stalls():
     assert state["balance_ratio"] == pytest.approx((4 + 4) / (4 + 8))
     assert state["tokens_per_iteration"] == 2.0
     assert state["stalled_iteration_fraction"] == 0.5
+    assert state["running_iterations"] == 2 and state["stalled_iterations"] == 1
     text = b.log_text()
     assert "tok/iter: 2.0, balance: 0.67, stalled: 0.50" in text
     # The log line covers the iterations since the previous one; the totals stay.

@@ -73,4 +73,7 @@ class IterationBalance:
             "tokens_per_iteration": self.total.tokens_per_iteration,
             "balance_ratio": self.total.balance_ratio,
             "stalled_iteration_fraction": self.total.stalled_fraction,
+            # The fraction's counts, which a benchmark differences over one pass.
+            "running_iterations": self.total.running_iterations,
+            "stalled_iterations": self.total.stalled_iterations,
         }
