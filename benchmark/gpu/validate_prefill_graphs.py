@@ -59,6 +59,7 @@ CONFIGS = {
     "small-deepseek": "deepseek-v3-small-mtp.json",
     "smollm2": "smollm2-135m.json",
     "llama8b": "llama-3.1-8b.json",
+    "v2lite": "deepseek-v2-lite.json",
 }
 # Largest |logits difference| allowed, relative to the largest |logit| (bf16 weights; the
 # bucket's GEMM shapes differ from eager's).

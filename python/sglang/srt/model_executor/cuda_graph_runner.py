@@ -120,6 +120,9 @@ class CapturedMode:
     # GPU memory each group added under its number (0: the modes of no group).
     group: int = 0
     ragged: Optional[RaggedTokens] = None  # a ragged mode's buckets (None: uniform)
+    # Outputs (by position) with a row per token rather than per request: a ragged target
+    # prefill's hidden states of every token. Replay returns the batch's num_tokens rows of them.
+    per_token_outputs: tuple[int, ...] = ()
 
 
 class ModeKey(NamedTuple):
@@ -454,7 +457,10 @@ class CudaGraphRunner:
         """DP attention, a prefill iteration: the token bucket every rank replays, chosen from
         the plan alone (the smallest that holds every DP rank's batch; an idle rank's is the
         padding request alone), or None (every rank eager). A rank that decodes in this
-        iteration replays it too: its requests extend by one token each."""
+        iteration replays it too: its requests extend by one token each. `_matches` reads this
+        rank's batch only; every rank agrees on it because hidden capture, spec inputs and
+        logits rows are server-wide settings, and prompt logprobs, the one per-rank difference,
+        reach every rank through the plan (all eager)."""
         reqs = fb.global_num_reqs
         if self.inputs.dp_size is None or reqs is None or not self._matches(fb, mode, 0) or _tree_cols(fb):
             return None
@@ -574,17 +580,15 @@ class CudaGraphRunner:
 
     def ensure_outputs(self, key: GraphKey, warm: tuple[torch.Tensor, ...]) -> None:
         """The static output buffers of key's mode, shaped after a warm-up run's outputs (rows
-        for the mode's largest key), each with its rows per request; 0: a row per token (a
-        ragged mode's hidden states of every token)."""
+        for the mode's largest key), each with its rows per request; 0: a row per token (the
+        mode's per_token_outputs)."""
         if key.mode_key in self.outputs:
             return
         keys = [k for k in self.keys if k.mode_key == key.mode_key]
-        per_token = (
-            self.modes[key.mode_key].ragged is not None and self.modes[key.mode_key].capture_hidden == CaptureHiddenMode.FULL
-        )
+        per_token = self.modes[key.mode_key].per_token_outputs
         buffers = []
         for i, t in enumerate(warm):
-            if per_token and i == 1:  # (logits, hidden) of one forward: the hidden states
+            if i in per_token:
                 rows, per_req = max(k.num_tokens for k in keys), 0
             else:
                 per_req = t.shape[0] // key.batch_size

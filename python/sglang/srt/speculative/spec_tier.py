@@ -100,7 +100,9 @@ def target_graph_modes(tiers: tuple[SpecSizes, ...]) -> dict[ModeKey, CapturedMo
         )
         for sizes in tiers
     }
-    modes[ModeKey(ForwardMode.EXTEND)] = CapturedMode(0, capture_hidden=CaptureHiddenMode.FULL, ragged=SERVER_PREFILL_BUCKETS)
+    modes[ModeKey(ForwardMode.EXTEND)] = CapturedMode(
+        0, capture_hidden=CaptureHiddenMode.FULL, ragged=SERVER_PREFILL_BUCKETS, per_token_outputs=(1,)
+    )
     return modes
 
 
