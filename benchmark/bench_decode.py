@@ -4,6 +4,9 @@ A model from a config alone (random weights, `--config`) or a real model (`--mod
 
     python benchmark/bench_decode.py --config benchmark/configs/llama-3.1-8b.json --batch-sizes 1 32
     python benchmark/bench_decode.py --model-path SmolLM2-135M-Instruct --batch-sizes 1 32
+    python benchmark/bench_decode.py --config benchmark/configs/llama-3.1-8b.json \
+        --draft-config benchmark/configs/llama-3.1-8b-eagle.json --batch-sizes 1 -- --speculative-algorithm EAGLE \
+        --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
 
 Decode time per token step is (T(out_len) - T(1)) / (out_len - 1): the prefill and the first
 token cancel out. Under speculation the same difference divided by the verify steps of the
@@ -78,10 +81,15 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--result-file", help="append one JSON line per batch size")
+    parser.add_argument("--draft-config", help="HF config.json of a draft model: random weights of that shape (with --config)")
     args = parser.parse_args(argv)
+    if args.draft_config and not args.config:
+        parser.error("--draft-config needs --config (random weights for both models)")
 
     model_path = dummy_model_dir(args.config) if args.config else args.model_path
     extra = ["--load-format", "dummy"] if args.config else []
+    if args.draft_config:
+        extra += ["--speculative-draft-model-path", dummy_model_dir(args.draft_config)]
     server_args = prepare_server_args(["--model-path", model_path, *extra, *engine_argv])
     engine = sgl.Engine(**vars(server_args))
     try:
