@@ -39,6 +39,7 @@ from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.speculative.adaptive import (
     AdaptiveTiers,
     CostModel,
+    CycleTime,
     FixedSchedule,
     RankFigures,
     TierState,
@@ -66,14 +67,15 @@ def _figures(alpha: float, batch: int, trials: int = 1000) -> list[RankFigures]:
 def test_cost_model_picks_long_chains_for_good_drafts_and_small_batches():
     model = CostModel(TIERS)
     settled = TierState(3, held=100)
-    assert model.decide(settled, _figures(0.3, 1)) == 1  # poor draft: the shortest chain
-    assert model.decide(settled, _figures(0.95, 1)) == 5  # good draft, small batch: the longest
-    # The trained small DeepSeek's acceptance (0.71): 3 steps at batch 1, 1 step at batch 32.
-    assert model.decide(settled, _figures(0.71, 1)) == 3
-    assert model.decide(settled, _figures(0.71, 32)) == 1
+    assert model.decide(settled, _figures(0.3, 1), {}) == 1  # poor draft: the shortest chain
+    assert model.decide(settled, _figures(0.95, 1), {}) == 5  # good draft, small batch: the longest
+    # With nothing measured the prior decides; the trained small DeepSeek's acceptance (0.71):
+    # 3 steps at batch 1, 1 step at batch 32.
+    assert model.decide(settled, _figures(0.71, 1), {}) == 3
+    assert model.decide(settled, _figures(0.71, 32), {}) == 1
     # Fewer steps as the batch grows, never more.
     for alpha in (0.5, 0.71, 0.8, 0.9):
-        picks = [model.decide(TierState(s, held=100), _figures(alpha, b)) for s in TIERS for b in (1, 4, 16, 64)]
+        picks = [model.decide(TierState(s, held=100), _figures(alpha, b), {}) for s in TIERS for b in (1, 4, 16, 64)]
         for s in range(len(TIERS)):
             by_batch = picks[4 * s : 4 * s + 4]
             assert by_batch == sorted(by_batch, reverse=True), (alpha, by_batch)
@@ -83,18 +85,18 @@ def test_cost_model_hysteresis():
     model = CostModel(TIERS)
     # Near the 1 / 3 boundary (alpha 0.71, batch 20) each tier keeps itself: switching would gain < 5%.
     near = _figures(0.71, 20)
-    assert model.decide(TierState(1, held=100), near) == 1
-    assert model.decide(TierState(3, held=100), near) == 3
+    assert model.decide(TierState(1, held=100), near, {}) == 1
+    assert model.decide(TierState(3, held=100), near, {}) == 3
     # Figures wobbling around the boundary do not make the tier flap.
     rng = random.Random(0)
     tiers = AdaptiveTiers(3, model)
     chosen = [tiers.next_tier(_figures(0.71 + rng.uniform(-0.01, 0.01), 20)) for _ in range(400)]
     assert chosen == [3] * 400
     # A clear change switches, but only after the tier has run min_dwell cycles.
-    assert model.decide(TierState(3, held=model.min_dwell - 1), _figures(0.2, 1)) == 3
-    assert model.decide(TierState(3, held=model.min_dwell), _figures(0.2, 1)) == 1
+    assert model.decide(TierState(3, held=model.min_dwell - 1), _figures(0.2, 1), {}) == 3
+    assert model.decide(TierState(3, held=model.min_dwell), _figures(0.2, 1), {}) == 1
     # No decision before the window holds min_trials trials.
-    assert model.decide(TierState(3, held=100), _figures(0.0, 1, trials=model.min_trials - 1)) == 3
+    assert model.decide(TierState(3, held=100), _figures(0.0, 1, trials=model.min_trials - 1), {}) == 3
 
 
 def test_window_counts_rejections_per_chain():
@@ -108,6 +110,71 @@ def test_window_counts_rejections_per_chain():
     assert tiers.window_figures() == (2, 1)  # the first cycle left the window
     assert tiers.total.accept_lengths() == {1: 2.0, 3: 8 / 3, 5: 1.0}
     assert tiers.internal_state()["spec_tier_cycles"] == {"1": 1, "3": 1, "5": 1}
+
+
+def test_measured_cycle_times_decide_over_the_prior():
+    """Where tiers are measured at the batch's bucket their times decide: at batch 32, where the
+    prior picks 1 step, a 3-step cycle measured at 1.3x a 1-step one wins; at batch 1, where
+    the prior picks 3, dear draft positions make 1 step win. A tier not measured is scaled
+    from the nearest measured one by the prior's ratio."""
+    model = CostModel(TIERS)
+    cheap_drafts = {(1, 32): CycleTime(1000, 0), (3, 32): CycleTime(1300, 0), (5, 32): CycleTime(1700, 0)}
+    assert model.decide(TierState(1, held=100, cycles=10), _figures(0.71, 32), cheap_drafts) == 3
+    dear_drafts = {(1, 1): CycleTime(1000, 0), (3, 1): CycleTime(2000, 0), (5, 1): CycleTime(3000, 0)}
+    assert model.decide(TierState(3, held=100, cycles=10), _figures(0.71, 1), dear_drafts) == 1
+    # Another bucket's times do not count: batch 8 falls back to the prior.
+    assert model.costs(8, cheap_drafts) == {s: model.prior_cost(s, 8) for s in TIERS}
+    only_three = {(3, 32): CycleTime(1300, 0)}
+    assert model.costs(32, only_three) == {
+        1: 1300 * model.prior_cost(1, 32) // model.prior_cost(3, 32),
+        3: 1300,
+        5: 1300 * model.prior_cost(5, 32) // model.prior_cost(3, 32),
+    }
+
+
+def test_neighbouring_tiers_are_measured_then_remeasured():
+    """Once the current tier is measured at the bucket, an unmeasured neighbour (the lower
+    first) runs to be measured; then the times decide; a neighbour's time older than
+    explore_every cycles is measured again. Nothing is explored before the current tier's own
+    time exists, nor before the dwell."""
+    model = CostModel(TIERS)
+    figures = _figures(0.71, 32)
+    times = {(3, 32): CycleTime(1300, 50)}
+    assert model.decide(TierState(3, held=100, cycles=60), figures, times) == 1
+    assert model.decide(TierState(3, held=model.min_dwell - 1, cycles=60), figures, times) == 3
+    # From the unmeasured 5 nothing is explored: tier 3's time scaled by the prior decides (1 step).
+    assert model.decide(TierState(5, held=100, cycles=60), figures, times) == 1
+    times[1, 32] = CycleTime(1000, 70)
+    assert model.decide(TierState(1, held=model.min_dwell, cycles=70), figures, times) == 3
+    assert model.decide(TierState(3, held=model.min_dwell, cycles=80), figures, times) == 5  # 5 next
+    times[5, 32] = CycleTime(1700, 90)
+    assert model.decide(TierState(5, held=model.min_dwell, cycles=90), figures, times) == 3
+    assert model.decide(TierState(3, held=100, cycles=100), figures, times) == 3
+    later = 70 + model.explore_every + 1  # tier 1's time is stale, tier 5's not yet
+    times[3, 32] = CycleTime(1300, later)
+    assert model.decide(TierState(3, held=100, cycles=later), figures, times) == 1
+
+
+def test_cycle_times_count_decode_only_iterations():
+    """An iteration's time arrives with the next one and counts for its tier and bucket only
+    when it ran a decode cycle and nothing else; a moving average (1/4 for a new time)."""
+    tiers = AdaptiveTiers(3, CostModel(TIERS))
+    figures = _figures(0.71, 20)  # bucket 32
+    tiers.next_tier(figures)
+    assert tiers.timed == (3, 32)
+    tiers.next_tier(figures, cycle_us=1200)
+    assert tiers.times == {(3, 32): CycleTime(1200, 1)}
+    tiers.next_tier(figures, cycle_us=2000, decode_only=False)  # this one also prefills
+    assert tiers.times[3, 32].us == 1400
+    tiers.next_tier(figures, cycle_us=9999)  # the prefilling iteration's time: not counted
+    assert tiers.times[3, 32].us == 1400
+    tiers.next_tier([RankFigures(0, 0, 0)], cycle_us=1000)  # counted; no decode cycle now
+    assert tiers.times[3, 32].us == 1300 and tiers.timed is None
+    tiers.next_tier(figures, cycle_us=5000)  # after an iteration without decode cycles: nothing
+    assert tiers.times[3, 32].us == 1300
+    assert tiers.internal_state()["spec_tier_cycle_us"] == {"3/32": 1300}
+    tiers.reset()
+    assert tiers.times == {} and tiers.timed is None
 
 
 def _gathered(locals_: list[LocalPlan]) -> GlobalPlan:
@@ -145,19 +212,22 @@ def test_every_rank_decides_alike_from_the_plan():
                     has_work=1,
                     spec_accepted=accepted,
                     spec_rejected=rejected,
+                    spec_cycle_us=rng.randint(500, 3000) if tiers.timed else 0,  # each rank's own clock
                 )
             )
-        figures = figures_of_plan(_gathered(locals_))
+        plan = _gathered(locals_)
+        figures = figures_of_plan(plan)
         alone = [t.preview(t.local_figures(f.decode_reqs)) for t, f in zip(ranks, figures)]
-        chosen = [t.next_tier(figures) for t in ranks]
+        cycle_us = max(p.spec_cycle_us for p in plan.per_rank)
+        chosen = [t.next_tier(figures, cycle_us, decode_only=not plan.any_extend) for t in ranks]
         assert len(set(chosen)) == 1, chosen
-        assert len({t.state for t in ranks}) == 1
+        assert len({t.state for t in ranks}) == 1 and all(t.times == ranks[0].times for t in ranks)
         alone_differs += any(a != chosen[0] for a, f in zip(alone, figures) if f.decode_reqs)
         decisions.append(chosen[0])
         for r, tiers in enumerate(ranks):  # each rank's cycle outcome: its own acceptance
             if figures[r].decode_reqs:
                 tiers.observe(chosen[0], [_chain(chosen[0], skill[r], rng) for _ in range(figures[r].decode_reqs)])
-    assert len(set(decisions)) > 1 and alone_differs > 0
+    assert len(set(decisions)) > 1 and alone_differs > 0 and ranks[0].times
 
 
 def test_fixed_schedule_counts_decode_cycles_only():
@@ -317,13 +387,13 @@ def _decide_main(rank: int, server_args: ServerArgs, port_args: PortArgs, prompt
     tiers: list[int] = []
     next_tier = scheduler.adaptive.next_tier
 
-    def recorded(figures):
-        tiers.append(next_tier(figures))
+    def recorded(*args, **kwargs):
+        tiers.append(next_tier(*args, **kwargs))
         return tiers[-1]
 
     scheduler.adaptive.next_tier = recorded
     mine = slice(2 * rank, 2 * rank + 2) if server_args.enable_dp_attention else slice(None)
-    results[rank] = (greedy(scheduler, prompts[mine], max_new[mine]), tiers)
+    results[rank] = (greedy(scheduler, prompts[mine], max_new[mine]), tiers, dict(scheduler.adaptive.times))
 
 
 @pytest.mark.timeout(300)
@@ -342,3 +412,5 @@ def test_ranks_decide_alike(partial_deepseek_v3_dir, parallel):
     assert results[0][0] + results[1][0] == reference if dp else results[0][0] == results[1][0] == reference
     assert results[0][1] == results[1][1]
     assert results[0][1][0] == 5 and len(set(results[0][1])) > 1
+    # The measured cycle times are agreed: the same on both ranks (each rank's clock differs).
+    assert results[0][2] == results[1][2] and results[0][2]

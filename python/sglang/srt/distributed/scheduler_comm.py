@@ -47,6 +47,8 @@ class LocalPlan:
     # --speculative-adaptive: drafts accepted and rejected over this rank's recent verify cycles.
     spec_accepted: int = 0
     spec_rejected: int = 0
+    # --speculative-adaptive: the previous iteration's wall time when it ran a decode cycle alone (us).
+    spec_cycle_us: int = 0
 
     @classmethod
     def width(cls) -> int:

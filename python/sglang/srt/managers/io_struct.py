@@ -115,6 +115,15 @@ class BatchStrOut(BatchOut):
 
 
 @dataclass
+class DecodeIterationTime:
+    """Entry rank -> its attention-TP peers, with the requests it broadcasts: the wall time of
+    the previous iteration, which ran a decode cycle and nothing else (--speculative-adaptive
+    measures its tiers' costs with it, the same value on every rank)."""
+
+    us: int
+
+
+@dataclass
 class SchedulerReady:
     """Scheduler -> launcher at startup: capacity figures for /get_server_info."""
 

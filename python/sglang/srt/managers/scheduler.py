@@ -31,6 +31,7 @@ from sglang.srt.managers.dp_prefill_align import PrefillHold, prefill_allowed
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
+    DecodeIterationTime,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
@@ -101,6 +102,10 @@ class Scheduler:
             self.worker = self.spec_worker = EAGLEWorker(server_args, target, gpu_id, tp_rank)
         # --speculative-adaptive: each decode cycle's tier (draft steps), decided alike on every rank.
         self.adaptive = AdaptiveTiers.from_server_args(server_args) if server_args.speculative_adaptive else None
+        # Start of the latest iteration that ran a decode cycle alone, and the agreed wall time
+        # of the previous iteration (0: not such an iteration), for the adaptive tiers' costs.
+        self.timed_iteration_started: Optional[float] = None
+        self.decode_iteration_us = 0
         # Under DP attention prefill is always chunked so that it fits the gathered buffer.
         no_chunking = server_args.chunked_prefill_size == -1 and not server_args.enable_dp_attention
         self.chunk_size = None if no_chunking else runner.prefill_token_budget()
@@ -190,7 +195,13 @@ class Scheduler:
 
     def run_iteration(self) -> None:
         self.iterations += 1
-        msgs = self.comm.broadcast_requests(self.recv_requests(block=not self.has_work() and self.globally_idle))
+        started = time.perf_counter()
+        measured = self.take_decode_iteration_time(started)
+        own = self.recv_requests(block=not self.has_work() and self.globally_idle)
+        if measured and self.comm.attn_tp_size > 1:
+            own.append(DecodeIterationTime(measured))  # the entry rank's time reaches its peers
+        self.decode_iteration_us = measured if self.comm.attn_tp_size == 1 else 0
+        msgs = self.comm.broadcast_requests(own)
         for msg in msgs:
             self.handle_message(msg)
         if not self.can_overlap():
@@ -208,6 +219,8 @@ class Scheduler:
         if batch is not None:
             self.in_flight = (batch, self.launch(batch, plan))
             self.profiler.step()
+        if self.adaptive is not None and self.adaptive.timed is not None and batch is not None:
+            self.timed_iteration_started = started
         if previous is not None:
             self.process(*previous)
         if not self.overlap:
@@ -244,6 +257,12 @@ class Scheduler:
             except zmq.ZMQError:
                 return msgs
 
+    def take_decode_iteration_time(self, now: float) -> int:
+        """The previous iteration's wall time in microseconds when it ran a decode cycle alone
+        (--speculative-adaptive), else 0."""
+        started, self.timed_iteration_started = self.timed_iteration_started, None
+        return 0 if started is None else max(1, int((now - started) * 1e6))
+
     def agree_on_plan(self, batch: Optional[ScheduleBatch]) -> tuple[Optional[ScheduleBatch], Optional[GlobalPlan]]:
         """The one all-gather of the iteration: every rank learns every DP rank's token count
         (and, with speculation, the phases and sizes of every sub-forward, see spec_plan.py).
@@ -264,6 +283,7 @@ class Scheduler:
             ),
             spec_accepted=accepted,
             spec_rejected=rejected,
+            spec_cycle_us=self.decode_iteration_us,
         )
         plan = self.last_plan = self.comm.gather_plan(local)
         self.forward_started_at = None
@@ -287,6 +307,8 @@ class Scheduler:
     def handle_message(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReqInput):
             self.add_request(msg)
+        elif isinstance(msg, DecodeIterationTime):
+            self.decode_iteration_us = msg.us
         elif isinstance(msg, AbortReq):
             self.abort_request(msg.rid)
         elif isinstance(msg, FlushCacheReq):
@@ -486,10 +508,11 @@ class Scheduler:
         every DP rank's figures in the plan, or from this DP group's own (None: the one tier)."""
         if self.adaptive is None:
             return None
-        if plan is not None:
-            return self.adaptive.next_tier(figures_of_plan(plan))
+        if plan is not None:  # every rank's time is the same iteration's: the largest counts
+            cycle_us = max(p.spec_cycle_us for p in plan.per_rank)
+            return self.adaptive.next_tier(figures_of_plan(plan), cycle_us, decode_only=not plan.any_extend)
         decode_reqs = len(batch.reqs) if batch.mode == ForwardMode.DECODE else 0
-        return self.adaptive.next_tier(self.adaptive.local_figures(decode_reqs))
+        return self.adaptive.next_tier(self.adaptive.local_figures(decode_reqs), self.decode_iteration_us)
 
     def process(self, batch: ScheduleBatch, step: LaunchedStep) -> None:
         """Wait for the step's tokens and hand them to their requests. A request that finished

@@ -13,7 +13,6 @@ Decision (`CostModel.decide`): with alpha = sum A / sum (A + R) over the DP rank
 largest DP rank's decode batch (the busiest rank sets the iteration's time),
 
     tokens(s) = 1 + alpha + ... + alpha^s                  tokens per request of a cycle at s steps
-    cost(s)   = 1 + s * (draft_cost + verify_cost * b)     the cycle's time, in plain decode steps
     goodput(s) = tokens(s) / cost(s)
 
 and the next cycle runs at the tier of the highest goodput, but leaves the current tier only
@@ -21,10 +20,24 @@ when that beats the current tier's goodput by `switch_gain` and the current tier
 `min_dwell` cycles (hysteresis: no flapping between tiers of nearly equal goodput), and not
 before the window holds `min_trials` trials.
 
+cost(s) is measured: the wall time of an iteration that ran a decode cycle and nothing else
+(start to next start), a moving average per tier and batch bucket (the power of two at or
+above b), kept in `CycleTimes`. A tier not yet measured at the bucket is estimated from the
+nearest measured tier through the prior cost 1 + s * (draft_cost + verify_cost * b) plain
+steps (their ratio); with nothing measured at the bucket the prior alone decides. Once the
+current tier is measured, a neighbouring tier (one tier up or down) that is not, or whose
+measurement is older than `explore_every` decode cycles, is run for `min_dwell` cycles to
+measure it: the prior only orders tiers until they are measured, so a machine or a model
+where it is wrong (prefills that are cheap or dear, a dense or a MoE target) still ends at
+its best tier.
+
 Why every rank decides alike: the decision is a pure function of the tier state (the same on
 every rank: it starts the same and changes only by this function) and of integers that are the
 same on every rank (the all-gathered plan), computed in integer arithmetic, so no CPU or
-rounding difference can split the ranks. Ranks of one DP group without DP attention (TP
+rounding difference can split the ranks. Cycle times are such integers too: under DP
+attention each rank puts the time of its previous iteration in the plan and every rank takes
+the largest; within a DP group the entry rank sends its time with the requests it broadcasts
+to its attention-TP peers. Ranks of one DP group without DP attention (TP
 only) hold the same batch and get the same accept lengths (the logits are gathered before the
 argmax; sampled acceptance is agreed from attention-TP rank 0), so their windows, and their
 decisions, are the same too.
@@ -33,14 +46,31 @@ decisions, are the same too.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Optional, Protocol
 
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
 
 WINDOW_CYCLES = 16
 ALPHA_ONE = 1 << 20  # alpha = 1 in the decision's fixed-point arithmetic
+TIME_AVERAGE_SHIFT = 2  # a new cycle time weighs 1 / 4 in its moving average
+
+
+def batch_bucket(batch: int) -> int:
+    """The power of two at or above the batch: cycle times are kept per tier and bucket."""
+    return 1 << max(batch - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class CycleTime:
+    """The moving average of a tier's decode iterations at one batch bucket."""
+
+    us: int  # wall time from an iteration's start to the next one's, microseconds
+    cycle: int  # TierState.cycles when it was last measured
+
+
+CycleTimes = Mapping[tuple[int, int], CycleTime]  # (steps, batch bucket) -> time
 
 
 @dataclass(frozen=True)
@@ -68,15 +98,15 @@ class TierState:
 
 
 class TierPolicy(Protocol):
-    def decide(self, state: TierState, figures: Sequence[RankFigures]) -> int:
+    def decide(self, state: TierState, figures: Sequence[RankFigures], times: CycleTimes) -> int:
         """The steps of the next decode cycle: a pure function of its arguments."""
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """The goodput rule above, in integers: alpha in units of 1 / ALPHA_ONE, costs in percent of
-    a plain decode step of the target. The costs are fitted to the trained small DeepSeek-V3 on
-    one H200 (docs/benchmarks.md, "speculation pays at concurrency 32": 1/1/2 and 3/1/4 at concurrency 1 and 32):
+    """The goodput rule above, in integers: alpha in units of 1 / ALPHA_ONE. The prior costs are
+    in percent of a plain decode step of the target, fitted to the trained small DeepSeek-V3 on
+    one H200 with eager prefills (docs/benchmarks.md, "speculation pays at concurrency 32"):
     one more draft position costs 17% of a plain step plus 1% per request."""
 
     tiers: tuple[int, ...]
@@ -85,31 +115,68 @@ class CostModel:
     switch_gain_pct: int = 5
     min_dwell: int = 8
     min_trials: int = 8
+    explore_every: int = 2048
 
-    def goodput(self, steps: int, alpha: int, batch: int) -> tuple[int, int]:
-        """(tokens in 1 / ALPHA_ONE, cost in percent) of a cycle at `steps`; goodput is their ratio."""
+    @staticmethod
+    def tokens(steps: int, alpha: int) -> int:
+        """Expected tokens per request of a cycle at `steps`, in 1 / ALPHA_ONE."""
         tokens, power = 0, ALPHA_ONE
         for _ in range(steps + 1):
             tokens += power
             power = power * alpha // ALPHA_ONE
-        return tokens, 100 + steps * (self.draft_cost_pct + self.verify_cost_pct_per_req * batch)
+        return tokens
 
-    def decide(self, state: TierState, figures: Sequence[RankFigures]) -> int:
+    def prior_cost(self, steps: int, batch: int) -> int:
+        """A cycle's cost in percent of a plain decode step, before any is measured."""
+        return 100 + steps * (self.draft_cost_pct + self.verify_cost_pct_per_req * batch)
+
+    def costs(self, batch: int, times: CycleTimes) -> dict[int, int]:
+        """Every tier's cost at this batch, in one unit: measured microseconds (an unmeasured
+        tier scaled from the nearest measured one by the prior's ratio), or the prior's percent
+        when no tier is measured at the batch's bucket."""
+        bucket = batch_bucket(batch)
+        prior = {s: self.prior_cost(s, batch) for s in self.tiers}
+        measured = {s: times[s, bucket].us for s in self.tiers if (s, bucket) in times}
+        if not measured:
+            return prior
+        costs = {}
+        for i, steps in enumerate(self.tiers):
+            nearest = min(measured, key=lambda s: (abs(self.tiers.index(s) - i), s))
+            costs[steps] = measured[steps] if steps in measured else measured[nearest] * prior[steps] // prior[nearest]
+        return costs
+
+    def to_measure(self, state: TierState, batch: int, times: CycleTimes) -> Optional[int]:
+        """A neighbour of the measured current tier whose time at this bucket is missing or
+        older than explore_every cycles (the lower first), or None."""
+        bucket = batch_bucket(batch)
+        if (state.steps, bucket) not in times:
+            return None
+        i = self.tiers.index(state.steps)
+        for steps in self.tiers[max(i - 1, 0) : i + 2]:
+            time = times.get((steps, bucket))
+            if time is None or state.cycles - time.cycle > self.explore_every:
+                return steps
+        return None
+
+    def decide(self, state: TierState, figures: Sequence[RankFigures], times: CycleTimes) -> int:
         accepted = sum(f.accepted for f in figures)
         trials = accepted + sum(f.rejected for f in figures)
         if trials < self.min_trials or state.held < self.min_dwell:
             return state.steps
         alpha, batch = accepted * ALPHA_ONE // trials, max(f.decode_reqs for f in figures)
-        scores = {s: self.goodput(s, alpha, batch) for s in self.tiers}
+        unmeasured = self.to_measure(state, batch, times)
+        if unmeasured is not None:
+            return unmeasured
+        costs = self.costs(batch, times)
+        tokens = {s: self.tokens(s, alpha) for s in self.tiers}
         best = state.steps
         for steps in self.tiers:  # a tie keeps the tier found first (the current one)
-            (tokens, cost), (best_tokens, best_cost) = scores[steps], scores[best]
-            if tokens * best_cost > best_tokens * cost:
+            if tokens[steps] * costs[best] > tokens[best] * costs[steps]:
                 best = steps
-        (tokens, cost), (current_tokens, current_cost) = scores[best], scores[state.steps]
-        if 100 * tokens * current_cost >= (100 + self.switch_gain_pct) * current_tokens * cost:
+        current = state.steps
+        if 100 * tokens[best] * costs[current] >= (100 + self.switch_gain_pct) * tokens[current] * costs[best]:
             return best
-        return state.steps
+        return current
 
 
 @dataclass(frozen=True)
@@ -119,7 +186,7 @@ class FixedSchedule:
 
     pairs: tuple[tuple[int, int], ...]
 
-    def decide(self, state: TierState, figures: Sequence[RankFigures]) -> int:
+    def decide(self, state: TierState, figures: Sequence[RankFigures], times: CycleTimes) -> int:
         position = state.cycles % sum(cycles for _, cycles in self.pairs)
         for steps, cycles in self.pairs:
             if position < cycles:
@@ -147,12 +214,16 @@ class TierCounts:
 
 class AdaptiveTiers:
     """One rank's side: its window of verify cycles (the figures it contributes), the tier
-    state (advanced by `next_tier`, on every rank with the same figures) and tier usage."""
+    state and the cycle times (advanced by `next_tier`, on every rank with the same figures
+    and times) and tier usage."""
 
     def __init__(self, start: int, policy: TierPolicy, window_cycles: int = WINDOW_CYCLES):
         self.start, self.policy = start, policy
         self.window: deque[tuple[int, int]] = deque(maxlen=window_cycles)
         self.state = TierState(start)
+        self.times: dict[tuple[int, int], CycleTime] = {}
+        # (steps, batch bucket) of the latest iteration when it ran a decode cycle and nothing else.
+        self.timed: Optional[tuple[int, int]] = None
         self.total, self.since_log = TierCounts(), TierCounts()
 
     @classmethod
@@ -162,9 +233,11 @@ class AdaptiveTiers:
         return cls(args.speculative_num_steps, policy)
 
     def reset(self) -> None:
-        """Back to the starting tier with an empty window and no usage (after a startup check)."""
+        """Back to the starting tier with an empty window, no times and no usage (after a startup check)."""
         self.window.clear()
         self.state = TierState(self.start)
+        self.times.clear()
+        self.timed = None
         self.total, self.since_log = TierCounts(), TierCounts()
 
     # ------------------------------------------------------------------ figures
@@ -185,16 +258,30 @@ class AdaptiveTiers:
     # ------------------------------------------------------------------ decision
     def preview(self, figures: Sequence[RankFigures]) -> int:
         """The tier the next decode cycle runs at with these figures (nothing changes)."""
-        return self.policy.decide(self.state, figures) if any(f.decode_reqs for f in figures) else self.state.steps
+        if not any(f.decode_reqs for f in figures):
+            return self.state.steps
+        return self.policy.decide(self.state, figures, self.times)
 
-    def next_tier(self, figures: Sequence[RankFigures]) -> int:
+    def next_tier(self, figures: Sequence[RankFigures], cycle_us: int = 0, decode_only: bool = True) -> int:
         """The tier of this iteration's decode cycle, which every rank runs (idle ranks with
-        zero rows), and the state after it; an iteration without decode cycles keeps the state."""
+        zero rows), and the state after it; an iteration without decode cycles keeps the state.
+        cycle_us: the agreed wall time of the previous iteration (0: not measured), which counts
+        when that iteration ran a decode cycle and nothing else; decode_only: whether this one does."""
+        if self.timed is not None and cycle_us > 0:
+            self._record_time(*self.timed, cycle_us)
         steps = self.preview(figures)
+        self.timed = None
         if any(f.decode_reqs for f in figures):
             held = self.state.held + 1 if steps == self.state.steps else 1
             self.state = TierState(steps, held, self.state.cycles + 1)
+            if decode_only:
+                self.timed = (steps, batch_bucket(max(f.decode_reqs for f in figures)))
         return steps
+
+    def _record_time(self, steps: int, bucket: int, us: int) -> None:
+        old = self.times.get((steps, bucket))
+        average = us if old is None else old.us + ((us - old.us) >> TIME_AVERAGE_SHIFT)
+        self.times[steps, bucket] = CycleTime(average, self.state.cycles)
 
     # ------------------------------------------------------------------ reports
     def log_text(self) -> str:
@@ -203,9 +290,10 @@ class AdaptiveTiers:
         return "tier cycles: " + " ".join(f"{s}:{n}" for s, n in sorted(counts.cycles.items())) + ", "
 
     def internal_state(self) -> dict:
-        """Since startup (JSON keys: the tiers' steps as strings)."""
+        """Since startup (JSON keys: the tiers' steps as strings; cycle times "steps/bucket")."""
         return {
             "spec_tier": self.state.steps,
             "spec_tier_cycles": {str(s): n for s, n in sorted(self.total.cycles.items())},
             "spec_tier_accept_length": {str(s): a for s, a in self.total.accept_lengths().items()},
+            "spec_tier_cycle_us": {f"{s}/{b}": t.us for (s, b), t in sorted(self.times.items())},
         }
