@@ -56,17 +56,67 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 # ---------------------------------------------------------------------- buckets
 def test_default_token_buckets():
-    assert default_token_buckets(2048) == [64, 128, 256, 512, 1024, 2048]
-    assert default_token_buckets(3000) == [64, 128, 256, 512, 1024, 2048, 3000]
+    assert default_token_buckets(2048) == [
+        64,
+        80,
+        96,
+        112,
+        128,
+        160,
+        192,
+        224,
+        256,
+        320,
+        384,
+        448,
+        512,
+        640,
+        768,
+        896,
+        1024,
+        1280,
+        1536,
+        1792,
+        2048,
+    ]
+    assert default_token_buckets(3000) == [
+        64,
+        80,
+        96,
+        112,
+        128,
+        160,
+        192,
+        224,
+        256,
+        320,
+        384,
+        448,
+        512,
+        640,
+        768,
+        896,
+        1024,
+        1280,
+        1536,
+        1792,
+        2048,
+        2560,
+        3000,
+    ]
     assert default_token_buckets(64) == [64] and default_token_buckets(20) == [20]
+    assert default_token_buckets(100) == [64, 80, 96, 100]
+    # A prompt past 64 tokens pads by less than a quarter of its length.
+    buckets = default_token_buckets(2048)
+    assert all(min(b for b in buckets if b >= n) < 1.25 * n for n in range(65, 2049))
 
 
 @pytest.mark.parametrize(
     "given, max_tokens, limit, expected",
     [
-        (None, None, 8192, [64, 128, 256, 512, 1024, 2048]),
-        (None, 512, 8192, [64, 128, 256, 512]),
-        (None, None, 1000, [64, 128, 256, 512, 1000]),  # the batch / table limit gets its own graph
+        (None, None, 8192, default_token_buckets(2048)),
+        (None, 512, 8192, [64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]),
+        (None, None, 1000, default_token_buckets(896) + [1000]),  # the batch / table limit gets its own graph
         ([300, 100, 100], None, 8192, [100, 300]),  # the list alone: its largest is the max
         ([100, 300, 600], 400, 8192, [100, 300]),  # the max caps the list
         ([100, 300, 600], None, 500, [100, 300, 500]),
@@ -84,7 +134,7 @@ def _gpu_args(**args) -> ServerArgs:
 
 def test_which_prefills_are_captured():
     on = dict(enable_piecewise_cuda_graph=True)
-    assert prefill_ragged_tokens(_gpu_args(**on), 4096, 256) == RaggedTokens((64, 128, 256, 512, 1024, 2048), 16)
+    assert prefill_ragged_tokens(_gpu_args(**on), 4096, 256) == RaggedTokens(tuple(default_token_buckets(2048)), 16)
     assert prefill_ragged_tokens(_gpu_args(), 4096, 256) is None  # off by default
     assert prefill_ragged_tokens(_gpu_args(tp_size=2, **on), 4096, 256) is not None  # TP without DP attention
     assert prefill_ragged_tokens(_gpu_args(piecewise_cuda_graph_tokens=[64], **on), 4096, 256).buckets == (64,)

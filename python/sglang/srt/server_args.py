@@ -149,7 +149,11 @@ class ServerArgs:
     )
     piecewise_cuda_graph_tokens: Optional[list[int]] = field(
         default=None,
-        metadata=_arg("Prefill token buckets to capture (default 64, 128, 256, ... up to the max).", nargs="+", type=int),
+        metadata=_arg(
+            "Prefill token buckets to capture (default four per doubling, 64, 80, 96, 112, 128, 160, ... below the max, and the max).",
+            nargs="+",
+            type=int,
+        ),
     )
     enable_nan_detection: bool = field(default=False, metadata=_arg("Detect NaN logits and report them instead of sampling."))
 

@@ -61,12 +61,15 @@ SERVER_PREFILL_BUCKETS = RaggedTokens(())
 
 
 def default_token_buckets(max_tokens: int) -> list[int]:
-    """64, 128, 256, ... below max_tokens, and max_tokens itself."""
-    buckets, tokens = [], SMALLEST_DEFAULT_BUCKET
-    while tokens < max_tokens:
-        buckets.append(tokens)
-        tokens *= 2
-    return buckets + [max_tokens]
+    """Four buckets per doubling from 64 (64, 80, 96, 112, 128, 160, ...) below max_tokens, and
+    max_tokens itself: a prefill of more than 64 tokens pads by less than a quarter of them."""
+    buckets, octave = [], SMALLEST_DEFAULT_BUCKET
+    while True:
+        for tokens in (octave, octave * 5 // 4, octave * 3 // 2, octave * 7 // 4):
+            if tokens >= max_tokens:
+                return buckets + [max_tokens]
+            buckets.append(tokens)
+        octave *= 2
 
 
 def prefill_token_buckets(given: Optional[Sequence[int]], max_tokens: Optional[int], limit: int) -> list[int]:
