@@ -204,6 +204,12 @@ class ServerArgs:
     speculative_draft_model_path: Optional[str] = field(
         default=None, metadata=_arg("Draft model path (NEXTN defaults to the target checkpoint).")
     )
+    speculative_token_map: Optional[str] = field(
+        default=None,
+        metadata=_arg(
+            "A file of token ids (torch.save of a 1-D tensor or list, e.g. the most frequent tokens): the draft's LM head keeps only their rows and guesses among them; outputs do not change."
+        ),
+    )
     speculative_num_steps: Optional[int] = field(default=None, metadata=_arg("Draft steps per cycle."))
     speculative_eagle_topk: Optional[int] = field(default=None, metadata=_arg("Branching factor of the draft tree per step."))
     speculative_num_draft_tokens: Optional[int] = field(default=None, metadata=_arg("Tokens verified per request per cycle."))
@@ -387,8 +393,9 @@ class ServerArgs:
             "--speculative-eagle-topk": self.speculative_eagle_topk,
             "--speculative-num-draft-tokens": self.speculative_num_draft_tokens,
         }
+        other_flags = {"--speculative-token-map": self.speculative_token_map}
         if self.speculative_algorithm is None:
-            given = [k for k, v in spec_flags.items() if v is not None]
+            given = [k for k, v in {**spec_flags, **other_flags}.items() if v is not None]
             given += ["--speculative-accept-check"] if self.speculative_accept_check else []
             given += ["--speculative-adaptive"] if self.speculative_adaptive else []
             if given:

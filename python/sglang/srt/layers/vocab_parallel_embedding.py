@@ -66,3 +66,31 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is applied by LogitsProcessor")
+
+
+def shard_token_subset(token_ids: torch.Tensor, vocab_size: int, tp_size: int) -> torch.Tensor:
+    """A vocabulary subset laid out as a head restricted to it is sharded: [tp_size, width], row
+    r the subset's tokens that rank r's vocabulary shard holds (in the given order), padded with
+    -1 to the fullest rank's count. Logits column r * width + j of that head is token out[r, j]."""
+    owner = token_ids // -(-vocab_size // tp_size)
+    width = int(torch.bincount(owner, minlength=tp_size).max())
+    layout = torch.full((tp_size, width), -1, dtype=torch.int64)
+    for rank in range(tp_size):
+        ids = token_ids[owner == rank]
+        layout[rank, : ids.numel()] = ids
+    return layout
+
+
+def restricted_head(head: VocabParallelEmbedding, layout: torch.Tensor) -> ParallelLMHead:
+    """A copy of `head` (an LM head or a tied embedding) keeping the rows of a shard_token_subset
+    layout; its padding columns get logit -inf (bias), so no greedy or top-k pick lands there."""
+    rows = layout[head.tp_rank]
+    real = rows >= 0
+    local = (rows - head.vocab_start_index).clamp(min=0).to(head.weight.device)
+    restricted = ParallelLMHead(layout.numel(), head.weight.shape[1], bias=False, group=head.group)
+    restricted.weight = nn.Parameter(head.weight.data[local], requires_grad=False)
+    old_bias = getattr(head, "bias", None)
+    if old_bias is not None or not bool(real.all()):
+        bias = torch.where(real.to(head.weight.device), 0.0, float("-inf")).to(head.weight.dtype)
+        restricted.bias = nn.Parameter(bias if old_bias is None else bias + old_bias.data[local], requires_grad=False)
+    return restricted

@@ -99,13 +99,15 @@ class ModelRunner:
         token_allocator: Optional[TokenToKVPoolAllocator] = None,
         gathered_buffer: Optional[torch.Tensor] = None,
         embed_and_head: Optional[tuple[nn.Parameter, nn.Parameter]] = None,
+        head_vocab: Optional[torch.Tensor] = None,
         shapes: RunnerShapes = RunnerShapes(),
         graph_modes: Optional[dict[ModeKey, CapturedMode]] = None,
         open_ipc_collectives: bool = True,
     ):
         """A runner that shares another's KV slots passes its req_to_token_pool and allocator,
         under DP attention its gathered buffer (one buffer per rank), and the embedding and LM
-        head its model uses instead of its own (all in place before capture). graph_modes: what
+        head its model uses instead of its own (all in place before capture); head_vocab: a
+        shard_token_subset layout its LM head is restricted to (CausalLM.restrict_head). graph_modes: what
         its CUDA graphs capture (default: PLAIN_GRAPH_MODES); a mode at SERVER_PREFILL_BUCKETS
         is captured at --enable-piecewise-cuda-graph's buckets. open_ipc_collectives: False when
         another runner of the process has opened the IPC buffers, sized for its forwards and
@@ -125,6 +127,8 @@ class ModelRunner:
         self.model = get_model(model_config, server_args.load_format, self.device, seed=server_args.random_seed)
         if embed_and_head is not None:  # before capture: graphs bake in weight addresses
             self.model.set_embed_and_head(*embed_and_head)
+        if head_vocab is not None:
+            self.model.restrict_head(head_vocab)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # One KV layer per attention module (a NextN draft has one; its layer id is 0).
         self.num_kv_layers = sum(isinstance(m, RadixAttention) for m in self.model.modules())

@@ -19,7 +19,7 @@ from transformers import PretrainedConfig
 from sglang.srt.batch.forward_batch_info import ForwardBatch
 from sglang.srt.distributed.parallel_state import get_attn_tp
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
-from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, restricted_head
 
 
 class DecoderModel(nn.Module):
@@ -101,3 +101,9 @@ class CausalLM(nn.Module):
                 raise ValueError(f"shared weight shape {tuple(param.shape)} != {tuple(module.weight.shape)}")
             del module.weight
             module.weight = param
+
+    def restrict_head(self, layout: torch.Tensor) -> None:
+        """Project onto a vocabulary subset only (a shard_token_subset layout): logits column c
+        is then token layout.flatten()[c]. The embedding keeps the whole vocabulary."""
+        self.lm_head = restricted_head(self.lm_head, layout)
+        self.logits_processor = LogitsProcessor(layout.numel())

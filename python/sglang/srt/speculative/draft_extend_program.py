@@ -3,7 +3,8 @@ captured as one CUDA graph (so the guesses' softmax and top-k cost no host launc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -16,10 +17,11 @@ from sglang.srt.speculative.spec_info import top_guesses
 class DraftExtendProgram:
     topk: int
     rows_per_req: int  # the batch's rows per request (steps + 1): each tier captures its own graphs
+    columns: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)  # see top_guesses
 
     def __call__(self, fb: ForwardBatch, forward: ForwardFn) -> tuple[torch.Tensor, ...]:
         """Returns (probs [bs, topk], tokens [bs, topk], hidden [bs, hidden]) at each request's
         last real row (the batch's logits rows)."""
         out = forward(fb)
-        probs, tokens = top_guesses(out.next_token_logits, self.topk)
+        probs, tokens = top_guesses(out.next_token_logits, self.topk, self.columns)
         return probs, tokens, out.hidden_states

@@ -16,13 +16,13 @@ shows each input its ancestors among the inputs of steps 0..t (columns L .. L + 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Optional
 
 import torch
 
 from sglang.srt.batch.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.cuda_graph_runner import PAD_KV_SLOT, ForwardFn
-from sglang.srt.sampling.sampler import greedy_tokens
 from sglang.srt.speculative.eagle_utils import build_draft_tree, chain_tree, select_step_inputs
 from sglang.srt.speculative.spec_info import SpecInput, top_guesses
 
@@ -33,6 +33,7 @@ class DraftLoop:
     topk: int
     num_draft_tokens: int
     max_position: int  # positions past the context are never emitted; they are clamped
+    columns: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)  # see top_guesses
 
     def __call__(self, fb: ForwardBatch, forward: ForwardFn) -> tuple[torch.Tensor, ...]:
         """Runs steps - 1 draft forwards; returns the verify tree (DraftTree.as_tuple())."""
@@ -48,7 +49,7 @@ class DraftLoop:
         step = fb
         for t in range(self.steps - 1):
             out = forward(step)
-            child_p, child_tok = top_guesses(out.next_token_logits, k)
+            child_p, child_tok = top_guesses(out.next_token_logits, k, self.columns)
             child_scores = (scores.view(bs, k, 1) * child_p.view(bs, k, k)).flatten(1)
             child_tok = child_tok.view(bs, k * k)
             cand_scores.append(child_scores)
@@ -78,7 +79,7 @@ class DraftLoop:
         tokens, step = [fb.input_ids.view(bs, 1)], fb
         for t in range(self.steps - 1):
             out = forward(step)
-            token = greedy_tokens(out.next_token_logits).view(-1, 1)
+            token = top_guesses(out.next_token_logits, 1, self.columns)[1]
             tokens.append(token)
             if t < self.steps - 2:
                 seen = torch.ones((bs, 1, t + 2), dtype=torch.bool, device=token.device)

@@ -65,6 +65,7 @@ from sglang.srt.speculative.eagle_utils import (
 from sglang.srt.speculative.spec_info import RequestStates, SpecInput, top_guesses
 from sglang.srt.speculative.spec_plan import SpecIterationPlan, SpecSizes, SubForward
 from sglang.srt.speculative.spec_tier import SpecTier, draft_prefill_graph_mode, runner_shapes, target_graph_modes
+from sglang.srt.speculative.token_map import draft_head_vocab
 from sglang.srt.utils.transfer import HostCopy, upload
 
 logger = logging.getLogger(__name__)
@@ -141,11 +142,16 @@ class EAGLEWorker:
         # Positions past the context are never emitted (the request stops first); clamp them.
         self.max_position = target_runner.model_config.context_len - 1
         draft_config = draft_model_config(server_args)
+        head_vocab, self.draft_columns = draft_head_vocab(
+            server_args.speculative_token_map, draft_config.vocab_size, self.topk, server_args.attn_tp_size, self.device
+        )
         table = target_runner.req_to_token_pool
         self.states = RequestStates(table.req_to_token.shape[0], self.topk, self.hidden_size, draft_config.dtype, self.device)
         # Made before the draft runner, whose CUDA graphs capture their programs.
         self.tiers = {
-            sizes.steps: SpecTier.build(sizes, self.max_position, states=self.states, table=table, target=target_runner)
+            sizes.steps: SpecTier.build(
+                sizes, self.max_position, self.draft_columns, states=self.states, table=table, target=target_runner
+            )
             for sizes in tiers
         }
         # The tier of the latest decode cycle launched: a request's cycle in flight is that one.
@@ -164,6 +170,7 @@ class EAGLEWorker:
             token_allocator=target_runner.token_allocator,
             gathered_buffer=target_runner.gathered_buffer,
             embed_and_head=target_runner.model.get_embed_and_head(),
+            head_vocab=head_vocab,
             shapes=target_runner.shapes,
             graph_modes=graph_modes,
             open_ipc_collectives=False,
@@ -171,12 +178,13 @@ class EAGLEWorker:
         # Sub-forwards of the latest iteration: (kind, rows of every DP rank, local rows).
         self.trace: list[tuple[str, Optional[tuple[int, ...]], int]] = []
         logger.info(
-            "Speculative decoding: %s, steps %d, topk %d, draft tokens %d%s",
+            "Speculative decoding: %s, steps %d, topk %d, draft tokens %d%s%s",
             server_args.speculative_algorithm,
             server_args.speculative_num_steps,
             self.topk,
             server_args.speculative_num_draft_tokens,
             f", adaptive over the tiers of {sorted(self.tiers)} steps" if len(self.tiers) > 1 else "",
+            f", draft head over {int((head_vocab >= 0).sum())} tokens" if head_vocab is not None else "",
         )
 
     # ------------------------------------------------------------------ worker interface
@@ -315,7 +323,7 @@ class EAGLEWorker:
             logits, hidden = draft_out.next_token_logits, draft_out.hidden_states
             if len(ready) < logits.shape[0]:  # else the rows are all rows, in order
                 logits, hidden = logits[out_rows], hidden[out_rows]
-            self.states.store_draft(req_rows, *top_guesses(logits, self.topk), hidden)
+            self.states.store_draft(req_rows, *top_guesses(logits, self.topk, self.draft_columns), hidden)
         return result
 
     # ------------------------------------------------------------------ decode cycle

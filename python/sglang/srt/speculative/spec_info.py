@@ -11,16 +11,20 @@ from sglang.srt.model_executor.cuda_graph_runner import SpecInfoLayout
 from sglang.srt.sampling.sampler import greedy_tokens
 
 
-def top_guesses(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_guesses(logits: torch.Tensor, topk: int, columns: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores, tokens) [rows, topk] of the draft's topk most likely next tokens, from its
-    logits [rows, vocab]: the scores are their probabilities, which rank a tree's nodes.
+    logits [rows, columns]: the scores are their probabilities, which rank a tree's nodes.
+    columns: the token of each logits column when the draft's head covers a vocabulary subset
+    (--speculative-token-map), None when column c is token c.
 
     One guess is the greedy argmax with score 1: a chain is never ranked, so no softmax runs
     (on CUDA the argmax is one or two short launches; softmax and a max reduction took about
     15 us at 32 rows, torch.topk is a radix select of a dozen kernels)."""
     if topk == 1:
-        return logits.new_ones((logits.shape[0], 1), dtype=torch.float32), greedy_tokens(logits).view(-1, 1)
-    return torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
+        scores, tokens = logits.new_ones((logits.shape[0], 1), dtype=torch.float32), greedy_tokens(logits).view(-1, 1)
+    else:
+        scores, tokens = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
+    return scores, tokens if columns is None else columns[tokens]
 
 
 @dataclass
