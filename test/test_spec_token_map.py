@@ -3,6 +3,7 @@
 - The layout of a subset over vocabulary shards, and the restricted head's logits (the
   subset's columns of the full head's; padding columns -inf).
 - The map file's checks: a clear error naming the flag for each kind of bad file.
+- sglang.tools.token_map writes a map of a corpus's most frequent tokens that the server reads.
 - Through sglang.Engine (CPU, float32): a perfect draft whose map holds every token it needs
   still has every draft accepted and the target's greedy tokens, also with the head sharded
   over two ranks (uneven shards, padded); a map missing tokens of the output keeps the tokens
@@ -19,6 +20,8 @@ from sglang.srt.layers.linear import linear
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, restricted_head, shard_token_subset
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.token_map import load_token_map
+from sglang.tools.token_map import frequent_tokens
+from sglang.tools.token_map import main as token_map_main
 
 PROMPTS = [[5, 17, 42, 99, 7, 3, 150, 11], [8, 9, 10], [100, 101, 102, 103, 104]]
 MAX_NEW = 12
@@ -74,6 +77,41 @@ def test_token_map_file_checks(tmp_path):
             load_token_map(path, 10, 4)
     with pytest.raises(ValueError, match="--speculative-token-map needs --speculative-algorithm"):
         ServerArgs(model_path="m", device="cpu", speculative_token_map="x.pt")
+
+
+def test_frequent_tokens_order():
+    ids = frequent_tokens([[5, 5, 3, 9], [3, 5, 2]], 10, 6, always=[7])
+    assert ids.tolist() == [7, 5, 3, 2, 9, 0]  # special first, by count, ties and unseen by id
+    assert frequent_tokens([[1]], 10, 2, always=[4, 8, 9]).tolist() == [4, 8]
+
+
+def test_token_map_tool(tiny_llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    (tmp_path / "a.txt").write_text("the cat sat on the mat. the end.")
+    (tmp_path / "b.jsonl").write_text('{"prompt": "the dog"}\n\n{"messages": [{"role": "user", "content": "a cat"}]}\n')
+    out = str(tmp_path / "map.pt")
+    token_map_main(
+        [
+            "--model-path",
+            tiny_llama_dir,
+            "--corpus",
+            str(tmp_path / "a.txt"),
+            str(tmp_path / "b.jsonl"),
+            "--size",
+            "40",
+            "--output",
+            out,
+        ]
+    )
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ids = load_token_map(out, _vocab(tiny_llama_dir), 4).tolist()
+    assert len(ids) == 40 and ids[: len(tok.all_special_ids)] == sorted(set(tok.all_special_ids))
+    the = tok("the", add_special_tokens=False)["input_ids"][0]
+    dog = tok("the dog", add_special_tokens=False)["input_ids"][-1]
+    assert the in ids and dog in ids
+    with pytest.raises(SystemExit):
+        token_map_main(["--model-path", tiny_llama_dir, "--corpus", str(tmp_path / "a.txt"), "--size", "0", "--output", out])
 
 
 def _greedy(model_dir: str, **engine_args) -> tuple[list[list[int]], float]:
