@@ -56,54 +56,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 # ---------------------------------------------------------------------- buckets
 def test_default_token_buckets():
-    assert default_token_buckets(2048) == [
-        64,
-        80,
-        96,
-        112,
-        128,
-        160,
-        192,
-        224,
-        256,
-        320,
-        384,
-        448,
-        512,
-        640,
-        768,
-        896,
-        1024,
-        1280,
-        1536,
-        1792,
-        2048,
-    ]
-    assert default_token_buckets(3000) == [
-        64,
-        80,
-        96,
-        112,
-        128,
-        160,
-        192,
-        224,
-        256,
-        320,
-        384,
-        448,
-        512,
-        640,
-        768,
-        896,
-        1024,
-        1280,
-        1536,
-        1792,
-        2048,
-        2560,
-        3000,
-    ]
+    up_to_2048 = [64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048]
+    assert default_token_buckets(2048) == up_to_2048
+    assert default_token_buckets(3000) == up_to_2048 + [2560, 3000]
     assert default_token_buckets(64) == [64] and default_token_buckets(20) == [20]
     assert default_token_buckets(100) == [64, 80, 96, 100]
     # A prompt past 64 tokens pads by less than a quarter of its length.

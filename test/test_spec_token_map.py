@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import sglang as sgl
 from sglang.srt.layers.linear import linear
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, restricted_head, shard_token_subset
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.token_map import load_token_map
+from sglang.test.spec_runs import greedy_with_accept_length
 from sglang.tools.token_map import frequent_tokens
 from sglang.tools.token_map import main as token_map_main
 
@@ -115,12 +115,7 @@ def test_token_map_tool(tiny_llama_dir, tmp_path):
 
 
 def _greedy(model_dir: str, **engine_args) -> tuple[list[list[int]], float]:
-    with sgl.Engine(model_path=model_dir, device="cpu", **engine_args) as engine:
-        outs = engine.generate(
-            input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
-        )
-        accept = engine.get_server_info()["internal_states"][0]["avg_spec_accept_length"]
-    return [o["output_ids"] for o in outs], accept
+    return greedy_with_accept_length(model_dir, PROMPTS, MAX_NEW, **engine_args)
 
 
 def _map_file(tmp_path, name: str, needed: set[int], vocab: int, extra: int, seed: int) -> str:

@@ -18,6 +18,7 @@ import sglang as sgl
 from sglang.srt.server_args import ServerArgs
 from sglang.test.chi_square import chi_square, fits
 from sglang.test.spec_models import make_perfect_llama_pair
+from sglang.test.spec_runs import greedy_with_accept_length
 
 PROMPTS = [
     [5, 17, 42, 99, 7, 3, 150, 11, 12, 13, 14, 15, 16],
@@ -117,12 +118,7 @@ def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[l
 
 
 def _greedy_with_accept_length(model_dir: str, **engine_args) -> tuple[list[list[int]], float]:
-    with sgl.Engine(model_path=model_dir, device="cpu", **engine_args) as engine:
-        outs = engine.generate(
-            input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
-        )
-        accept = engine.get_server_info()["internal_states"][0]["avg_spec_accept_length"]
-    return [o["output_ids"] for o in outs], accept
+    return greedy_with_accept_length(model_dir, PROMPTS, MAX_NEW, **engine_args)
 
 
 def test_perfect_eagle_head_accepts_every_draft(perfect_llama_pair):
