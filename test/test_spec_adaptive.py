@@ -157,24 +157,43 @@ def test_neighbouring_tiers_are_measured_then_remeasured():
 
 def test_cycle_times_count_decode_only_iterations():
     """An iteration's time arrives with the next one and counts for its tier and bucket only
-    when it ran a decode cycle and nothing else; a moving average (1/4 for a new time)."""
+    when it ran a decode cycle and nothing else, after an iteration that ran one at the same
+    tier and bucket; a moving average (1/4 for a new time)."""
     tiers = AdaptiveTiers(3, CostModel(TIERS))
     figures = _figures(0.71, 20)  # bucket 32
     tiers.next_tier(figures)
+    assert tiers.timed is None  # no iteration before it
+    tiers.next_tier(figures)
     assert tiers.timed == (3, 32)
     tiers.next_tier(figures, cycle_us=1200)
-    assert tiers.times == {(3, 32): CycleTime(1200, 1)}
+    assert tiers.times == {(3, 32): CycleTime(1200, 2)}
     tiers.next_tier(figures, cycle_us=2000, decode_only=False)  # this one also prefills
     assert tiers.times[3, 32].us == 1400
     tiers.next_tier(figures, cycle_us=9999)  # the prefilling iteration's time: not counted
-    assert tiers.times[3, 32].us == 1400
+    assert tiers.times[3, 32].us == 1400 and tiers.timed is None  # nor this one's (after a prefill)
+    tiers.next_tier(figures, cycle_us=8888)
     tiers.next_tier([RankFigures(0, 0, 0)], cycle_us=1000)  # counted; no decode cycle now
     assert tiers.times[3, 32].us == 1300 and tiers.timed is None
     tiers.next_tier(figures, cycle_us=5000)  # after an iteration without decode cycles: nothing
     assert tiers.times[3, 32].us == 1300
     assert tiers.internal_state()["spec_tier_cycle_us"] == {"3/32": 1300}
     tiers.reset()
-    assert tiers.times == {} and tiers.timed is None
+    assert tiers.times == {} and tiers.timed is None and tiers.last_key is None
+
+
+def test_cycle_times_skip_the_first_iteration_of_a_tier():
+    """Two cycles at 3 steps, two at 5, again: only the second iteration of each run counts,
+    for its own tier (the first mostly waits for the other tier's cycle)."""
+    tiers = AdaptiveTiers(3, FixedSchedule(((3, 2), (5, 2))))
+    figures = _figures(0.71, 20)
+    counted = []
+    for i in range(8):
+        tiers.next_tier(figures, cycle_us=1000 + i)
+        counted.append(tiers.timed)
+    assert counted == [None, (3, 32), None, (5, 32)] * 2
+    tiers.next_tier(figures, cycle_us=2000)
+    # Times of iterations 1 and 5 (3 steps: 1002, 1006), 3 and 7 (5 steps: 1004, 2000).
+    assert tiers.times == {(3, 32): CycleTime(1002 + (4 >> 2), 6), (5, 32): CycleTime(1004 + (996 >> 2), 8)}
 
 
 def _gathered(locals_: list[LocalPlan]) -> GlobalPlan:

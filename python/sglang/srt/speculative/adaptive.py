@@ -21,7 +21,9 @@ when that beats the current tier's goodput by `switch_gain` and the current tier
 before the window holds `min_trials` trials.
 
 cost(s) is measured: the wall time of an iteration that ran a decode cycle and nothing else
-(start to next start), a moving average per tier and batch bucket (the power of two at or
+(start to next start), after one that did the same at the same tier and bucket (with overlap
+scheduling an iteration mostly waits for the previous one's cycle), a moving average per tier
+and batch bucket (the power of two at or
 above b), kept in `CycleTimes`. A tier not yet measured at the bucket is estimated from the
 nearest measured tier through the prior cost 1 + s * (draft_cost + verify_cost * b) plain
 steps (their ratio); with nothing measured at the bucket the prior alone decides. Once the
@@ -223,6 +225,9 @@ class AdaptiveTiers:
         self.state = TierState(start)
         self.times: dict[tuple[int, int], CycleTime] = {}
         # (steps, batch bucket) of the latest iteration when it ran a decode cycle and nothing else.
+        self.last_key: Optional[tuple[int, int]] = None
+        # The key the next agreed time counts for: the latest iteration's, when the one before
+        # it had the same key (see next_tier).
         self.timed: Optional[tuple[int, int]] = None
         self.total, self.since_log = TierCounts(), TierCounts()
 
@@ -237,7 +242,7 @@ class AdaptiveTiers:
         self.window.clear()
         self.state = TierState(self.start)
         self.times.clear()
-        self.timed = None
+        self.last_key = self.timed = None
         self.total, self.since_log = TierCounts(), TierCounts()
 
     # ------------------------------------------------------------------ figures
@@ -270,12 +275,16 @@ class AdaptiveTiers:
         if self.timed is not None and cycle_us > 0:
             self._record_time(*self.timed, cycle_us)
         steps = self.preview(figures)
-        self.timed = None
+        key = None
         if any(f.decode_reqs for f in figures):
             held = self.state.held + 1 if steps == self.state.steps else 1
             self.state = TierState(steps, held, self.state.cycles + 1)
             if decode_only:
-                self.timed = (steps, batch_bucket(max(f.decode_reqs for f in figures)))
+                key = (steps, batch_bucket(max(f.decode_reqs for f in figures)))
+        # With overlap scheduling an iteration mostly waits for the cycle launched by the one
+        # before it, so its time counts only when both ran at the same tier and bucket.
+        self.timed = key if key is not None and key == self.last_key else None
+        self.last_key = key
         return steps
 
     def _record_time(self, steps: int, bucket: int, us: int) -> None:
