@@ -131,6 +131,9 @@ def _layers_use_ipc(rank: int, world: int, results) -> None:
     ps.initialize_model_parallel(world, rank)
     torch.manual_seed(rank)
     layer = RowParallelLinear(8 * world, 6)  # built first, as the model runner does
+    layer.weight.data.normal_()  # torch.empty's memory may hold NaN
+    if layer.bias is not None:
+        layer.bias.data.normal_()
     x = torch.randn(5, 8)
     by_gloo = layer(x)
     ps.init_ipc_collectives(tp_slot_bytes=1024, attn_tp_slot_bytes=1024, device=torch.device("cpu"))
