@@ -59,6 +59,18 @@ def test_penalties_push_away_repeated_tokens():
     assert out.next_token_ids.item() == 1
 
 
+def test_a_tiny_repetition_penalty_keeps_the_row_finite():
+    """1e-237 is 0 in float32: a seen token's positive logit divided by it is bounded, so
+    sampling (min-p, a small temperature) and logprobs stay finite; the seen token wins."""
+    logits = torch.tensor([[2.0, 1.9, -1.0, 0.5]])
+    hist = [([2], [3])]  # the prompt's token and the output's count as seen
+    for temperature in (1.0, 2e-6):
+        params = SamplingParams(temperature=temperature, min_p=1.0, repetition_penalty=1.3245653806158722e-237)
+        out = Sampler()(logits, _info([params], hist, vocab=4), return_logprob=True, top_logprobs_num=2)
+        assert out.next_token_ids.tolist() == [3]
+        assert torch.isfinite(out.logprobs).all() and torch.isfinite(out.top_logprobs[0]).all()
+
+
 def test_logprobs():
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     out = Sampler()(logits, _info([SamplingParams(temperature=0)], vocab=3), return_logprob=True, top_logprobs_num=2)

@@ -111,7 +111,12 @@ class SamplingBatchInfo:
         logits = logits - self.frequency_penalties * self.output_counts
         logits = logits - self.presence_penalties * (self.output_counts > 0)
         rep = torch.where(self.seen_mask, self.repetition_penalties, torch.ones_like(logits))
-        return torch.where(logits > 0, logits / rep, logits * rep)
+        # A tiny repetition penalty (in float32 possibly 0) divides a positive logit to inf;
+        # bounded here, the row stays finite through the temperature's division and softmax.
+        return torch.where(logits > 0, logits / rep, logits * rep).clamp(-_PENALIZED_LOGIT_LIMIT, _PENALIZED_LOGIT_LIMIT)
+
+
+_PENALIZED_LOGIT_LIMIT = 1e30  # times 1 / temperature (<= 1 / the greedy threshold) stays below float32's max
 
 
 def _logit_biases(params: Sequence[SamplingParams], vocab_size: int, device: str) -> torch.Tensor:
