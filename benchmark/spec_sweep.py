@@ -22,6 +22,7 @@ after `--` go to every server.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -91,6 +92,13 @@ def tier_cycles(base_url: str) -> dict[int, int]:
     return total
 
 
+def print_tier_state(base_url: str) -> None:
+    """An adaptive server's measured cycle time and accept length per tier, per DP rank (JSON lines)."""
+    for rank, state in enumerate(internal_states(base_url)):
+        keys = ("spec_tier_cycles", "spec_tier_accept_length", "spec_tier_cycle_us")
+        print(json.dumps({"dp_rank": rank, **{k: state.get(k) for k in keys}}), flush=True)
+
+
 def run_one(
     args: argparse.Namespace, bench_args: argparse.Namespace, server_argv: list[str], config: Config
 ) -> list[tuple[Config, dict[str, Any]]]:
@@ -107,6 +115,8 @@ def run_one(
             for _ in range(args.warmup_passes):
                 run_benchmark(argparse.Namespace(**{**vars(run_args), "output_file": None}))
             rows.append((config, median_pass([recorded_pass(server, run_args) for _ in range(args.recorded_passes)])))
+        if isinstance(config, Adaptive):
+            print_tier_state(server.base_url)
         return rows
     finally:
         kill_server(server)

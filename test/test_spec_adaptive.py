@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 import re
+from typing import Optional
 
 import pytest
 import requests
@@ -37,12 +38,16 @@ from sglang.srt.model_loader import get_model
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.speculative.adaptive import (
+    ALPHA_ONE,
+    MIN_DEEPER_TRIALS,
     AdaptiveTiers,
     CostModel,
     CycleTime,
     FixedSchedule,
     RankFigures,
     TierState,
+    Trials,
+    chain_trials,
     figures_of_plan,
 )
 from sglang.test.inprocess_scheduler import greedy, start_scheduler
@@ -59,9 +64,15 @@ MAX_NEW = [31, 17, 24, 9]  # requests end at different cycles (and tiers)
 # ---- the decision (pure) -------------------------------------------------------------------
 
 
-def _figures(alpha: float, batch: int, trials: int = 1000) -> list[RankFigures]:
-    accepted = round(alpha * trials)
-    return [RankFigures(accepted, trials - accepted, batch)]
+def _trials(alpha: float, count: int) -> Trials:
+    accepted = round(alpha * count)
+    return Trials(accepted, count - accepted)
+
+
+def _figures(alpha: float, batch: int, trials: int = 1000, deeper: Optional[float] = None) -> list[RankFigures]:
+    """One rank's figures: `trials` first-position trials at rate alpha and as many deeper ones
+    at rate `deeper` (alpha when not given)."""
+    return [RankFigures(_trials(alpha, trials), _trials(alpha if deeper is None else deeper, trials), batch)]
 
 
 def test_cost_model_picks_long_chains_for_good_drafts_and_small_batches():
@@ -99,17 +110,71 @@ def test_cost_model_hysteresis():
     assert model.decide(TierState(3, held=100), _figures(0.0, 1, trials=model.min_trials - 1), {}) == 3
 
 
-def test_window_counts_rejections_per_chain():
-    """A request that accepted its whole chain rejected nothing; any other rejected one draft;
-    the window keeps the latest cycles only."""
-    tiers = AdaptiveTiers(3, CostModel(TIERS), window_cycles=2)
-    tiers.observe(3, [3, 0, 2])  # accepted 5; rejected 2 (the first accepted all 3)
-    assert tiers.window_figures() == (5, 2)
+def test_the_deeper_rate_decides_and_is_remembered():
+    """The first draft accepted 90% of the time, the deeper ones 30%: one step (a pooled 90%
+    would pick five). A window without deeper trials (cycles at one step) takes the deeper rate
+    of the latest window that had them; with none yet, the first position's."""
+    model = CostModel(TIERS)
+    settled = TierState(3, held=100)
+    assert model.decide(settled, _figures(0.9, 1, deeper=0.3), {}) == 1
+    assert model.decide(settled, _figures(0.9, 1), {}) == 5
+    no_deeper = [RankFigures(_trials(0.9, 100), Trials(), 1)]
+    assert model.decide(TierState(1, held=100, deeper_alpha=3 * ALPHA_ONE // 10), no_deeper, {}) == 1
+    assert model.decide(TierState(1, held=100), no_deeper, {}) == 5
+    tiers = AdaptiveTiers(3, model)
+    tiers.next_tier(_figures(0.9, 1, deeper=0.3))
+    assert tiers.state.deeper_alpha == 3 * ALPHA_ONE // 10
+    few = [RankFigures(_trials(0.9, 100), Trials(1, MIN_DEEPER_TRIALS - 2), 1)]
+    tiers.next_tier(few)
+    assert tiers.state.deeper_alpha == 3 * ALPHA_ONE // 10
+
+
+def _settle(first: float, deeper: float, cost_us: dict[int, int], cycles: int, seed: int) -> list[int]:
+    """One rank deciding `cycles` decode cycles at batch 1 with draft positions accepted at
+    these rates and cycles costing these times: the tier of every cycle."""
+    rng = random.Random(seed)
+    tiers = AdaptiveTiers(5, CostModel(TIERS))
+    chosen: list[int] = []
+    for _ in range(cycles):
+        steps = tiers.next_tier(tiers.local_figures(1), cost_us[chosen[-1]] if chosen else 0)
+        accepted = int(rng.random() < first)
+        while 0 < accepted < steps and rng.random() < deeper:
+            accepted += 1
+        tiers.observe(steps, [accepted])
+        chosen.append(steps)
+    return chosen
+
+
+def test_a_draft_good_at_its_first_position_settles_on_its_best_tier():
+    """First drafts accepted 90% of the time, later ones 50%, cycles of 1, 3 and 5 steps costing
+    1.0, 1.15 and 1.3 ms: 3 steps has the most tokens per ms (2.24 against 1.90 and 2.11).
+    After measuring its neighbours the decision stays there. One rate pooled over the depths
+    would not: after cycles at 1 step it is the first position's 90%, which picks 5 steps."""
+    for seed in range(3):
+        chosen = _settle(0.9, 0.5, {1: 1000, 3: 1150, 5: 1300}, 1500, seed)
+        assert chosen[500:].count(3) >= 0.95 * len(chosen[500:]), (seed, {s: chosen.count(s) for s in TIERS})
+
+
+def test_window_counts_trials_per_depth():
+    """A chain tries its first draft; its deeper drafts only after the first is accepted. A
+    request that accepted its whole chain rejected nothing, any other one draft: the first (none
+    accepted) or a deeper one. The window keeps the latest cycles only."""
+    assert chain_trials(3, 0) == (Trials(0, 1), Trials(0, 0))
+    assert chain_trials(3, 1) == (Trials(1, 0), Trials(0, 1))
+    assert chain_trials(3, 3) == (Trials(1, 0), Trials(2, 0))
+    assert chain_trials(1, 1) == (Trials(1, 0), Trials(0, 0))
+    tiers = AdaptiveTiers(3, CostModel(TIERS), window_cycles=2, window_verifies=3)
+    tiers.observe(3, [3, 0, 2])
+    assert tiers.window_figures() == (Trials(2, 1), Trials(3, 1))
     tiers.observe(1, [1, 1])
     tiers.observe(5, [0])
-    assert tiers.window_figures() == (2, 1)  # the first cycle left the window
-    assert tiers.total.accept_lengths() == {1: 2.0, 3: 8 / 3, 5: 1.0}
-    assert tiers.internal_state()["spec_tier_cycles"] == {"1": 1, "3": 1, "5": 1}
+    assert tiers.window_figures() == (Trials(2, 1), Trials(0, 0))  # the first cycle left the window
+    tiers.observe(5, [])  # no requests: nothing enters
+    tiers.observe(3, [0])
+    # The latest two cycles hold two verifies: the window keeps the third latest to hold three.
+    assert tiers.window_figures() == (Trials(2, 2), Trials(0, 0)) and len(tiers.window) == 3
+    assert tiers.total.accept_lengths() == {1: 2.0, 3: 9 / 4, 5: 1.0}
+    assert tiers.internal_state()["spec_tier_cycles"] == {"1": 1, "3": 2, "5": 2}
 
 
 def test_measured_cycle_times_decide_over_the_prior():
@@ -172,7 +237,7 @@ def test_cycle_times_count_decode_only_iterations():
     tiers.next_tier(figures, cycle_us=9999)  # the prefilling iteration's time: not counted
     assert tiers.times[3, 32].us == 1400 and tiers.timed is None  # nor this one's (after a prefill)
     tiers.next_tier(figures, cycle_us=8888)
-    tiers.next_tier([RankFigures(0, 0, 0)], cycle_us=1000)  # counted; no decode cycle now
+    tiers.next_tier([RankFigures(Trials(), Trials(), 0)], cycle_us=1000)  # counted; no decode cycle now
     assert tiers.times[3, 32].us == 1300 and tiers.timed is None
     tiers.next_tier(figures, cycle_us=5000)  # after an iteration without decode cycles: nothing
     assert tiers.times[3, 32].us == 1300
@@ -222,15 +287,17 @@ def test_every_rank_decides_alike_from_the_plan():
         for r, tiers in enumerate(ranks):
             batch = rng.choice([0, 0, 1, 3, 8, 30])
             extend = rng.random() < 0.1
-            accepted, rejected = tiers.window_figures()
+            first, deeper = tiers.window_figures()
             locals_.append(
                 LocalPlan(
                     num_tokens=batch * 2,
                     num_reqs=batch,
                     is_extend=int(extend),
                     has_work=1,
-                    spec_accepted=accepted,
-                    spec_rejected=rejected,
+                    spec_first_accepted=first.accepted,
+                    spec_first_rejected=first.rejected,
+                    spec_deeper_accepted=deeper.accepted,
+                    spec_deeper_rejected=deeper.rejected,
                     spec_cycle_us=rng.randint(500, 3000) if tiers.timed else 0,  # each rank's own clock
                 )
             )
@@ -251,8 +318,8 @@ def test_every_rank_decides_alike_from_the_plan():
 
 def test_fixed_schedule_counts_decode_cycles_only():
     tiers = AdaptiveTiers(3, FixedSchedule(((3, 2), (1, 1))))
-    idle = [RankFigures(0, 0, 0)]
-    busy = [RankFigures(0, 0, 2)]
+    idle = [RankFigures(Trials(), Trials(), 0)]
+    busy = [RankFigures(Trials(), Trials(), 2)]
     steps = [tiers.next_tier(figures) for figures in [busy, idle, busy, busy, idle, busy, busy, busy]]
     # Two cycles at 3, one at 1, again; an iteration without decode keeps the tier and the count.
     assert steps == [3, 3, 3, 1, 1, 3, 3, 1]

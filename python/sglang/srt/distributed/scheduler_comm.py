@@ -44,9 +44,12 @@ class LocalPlan:
     has_work: int = 0  # 1 when this rank holds requests (queued, running or in flight)
     prefill_wait: int = 0  # iterations this rank has held prefills (managers/dp_prefill_align.py)
     prompt_logprobs: int = 0  # 1 when this rank's prefill computes prompt logprobs (no prefill graph holds them)
-    # --speculative-adaptive: drafts accepted and rejected over this rank's recent verify cycles.
-    spec_accepted: int = 0
-    spec_rejected: int = 0
+    # --speculative-adaptive: draft positions accepted and rejected over this rank's recent
+    # verify cycles, the first position and the deeper ones apart (speculative/adaptive.py).
+    spec_first_accepted: int = 0
+    spec_first_rejected: int = 0
+    spec_deeper_accepted: int = 0
+    spec_deeper_rejected: int = 0
     # --speculative-adaptive: the previous iteration's wall time when it ran a decode cycle alone (us).
     spec_cycle_us: int = 0
 

@@ -48,7 +48,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.model_executor.tp_worker import GenerationResult, LaunchedStep, TpModelWorker
 from sglang.srt.sampling.sampler import NAN_TOKEN_ID
 from sglang.srt.server_args import PortArgs, ServerArgs
-from sglang.srt.speculative.adaptive import AdaptiveTiers, figures_of_plan
+from sglang.srt.speculative.adaptive import AdaptiveTiers, Trials, figures_of_plan
 from sglang.srt.speculative.eagle_worker import EAGLEWorker, target_runner_setup
 from sglang.srt.utils.hf_transformers_utils import get_server_tokenizer, resolve_model_path
 from sglang.srt.utils.zmq_utils import shared_context
@@ -269,7 +269,7 @@ class Scheduler:
         A rank without work runs an IDLE batch so that each collective is issued everywhere."""
         self.forward_started_at = time.monotonic()
         # A rank without running requests has no recent acceptance to report (its window may be old).
-        accepted, rejected = self.adaptive.window_figures() if self.adaptive and self.running else (0, 0)
+        first, deeper = self.adaptive.window_figures() if self.adaptive and self.running else (Trials(), Trials())
         local = LocalPlan(
             num_tokens=len(batch.input_ids) if batch else 0,
             num_reqs=len(batch.reqs) if batch else 0,
@@ -281,8 +281,10 @@ class Scheduler:
                 prefilled=batch is not None and batch.mode == ForwardMode.EXTEND,
                 continues_chunk=self.chunked_req is not None,
             ),
-            spec_accepted=accepted,
-            spec_rejected=rejected,
+            spec_first_accepted=first.accepted,
+            spec_first_rejected=first.rejected,
+            spec_deeper_accepted=deeper.accepted,
+            spec_deeper_rejected=deeper.rejected,
             spec_cycle_us=self.decode_iteration_us,
         )
         plan = self.last_plan = self.comm.gather_plan(local)
