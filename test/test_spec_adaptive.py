@@ -14,15 +14,15 @@
 - `--tp-size 2 --dp-size 2 --enable-dp-attention` over HTTP (round robin, --debug-collectives,
   forced tiers): greedy tokens equal the reference; tier usage in /get_server_info, /metrics and
   the decode log line. With the decision itself (no forced schedule), two in-process ranks take
-  the same tier at every iteration and switch tiers: DP attention ranks (whose windows differ)
-  from the plan, TP ranks of one DP group from their own windows.
+  the same tier at every iteration and switch tiers: DP attention ranks (whose acceptance differs)
+  from the plan, TP ranks of one DP group from their own reports.
 """
 
 from __future__ import annotations
 
 import random
 import re
-from typing import Optional
+from typing import Union
 
 import pytest
 import requests
@@ -39,11 +39,14 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.speculative.adaptive import (
     ALPHA_ONE,
-    MIN_DEEPER_TRIALS,
+    MIN_POSITION_TRIALS,
+    POSITION_MEMORY,
+    RECORD_ONE,
     AdaptiveTiers,
     CostModel,
     CycleTime,
     FixedSchedule,
+    PositionRecord,
     RankFigures,
     TierState,
     Trials,
@@ -69,24 +72,32 @@ def _trials(alpha: float, count: int) -> Trials:
     return Trials(accepted, count - accepted)
 
 
-def _figures(alpha: float, batch: int, trials: int = 1000, deeper: Optional[float] = None) -> list[RankFigures]:
-    """One rank's figures: `trials` first-position trials at rate alpha and as many deeper ones
-    at rate `deeper` (alpha when not given)."""
-    return [RankFigures(_trials(alpha, trials), _trials(alpha if deeper is None else deeper, trials), batch)]
+def _report(rates: Union[float, tuple[float, ...]], batch: int, trials: int = 1000) -> list[RankFigures]:
+    """One rank's report: `trials` trials of every position (of the largest tier's five) at
+    these rates (one rate: every position's)."""
+    rates = rates if isinstance(rates, tuple) else (rates,) * max(TIERS)
+    return [RankFigures(tuple(_trials(r, trials) for r in rates), batch)]
+
+
+def _state(steps: int, rates: Union[float, tuple[float, ...]], held: int = 100, cycles: int = 0, trials: int = 1000):
+    """A tier state whose records hold `trials` trials of every position at these rates."""
+    return TierState(steps, held, cycles).with_trials(_report(rates, 1, trials))
+
+
+NO_TRIALS = (Trials(),) * max(TIERS)
 
 
 def test_cost_model_picks_long_chains_for_good_drafts_and_small_batches():
     model = CostModel(TIERS)
-    settled = TierState(3, held=100)
-    assert model.decide(settled, _figures(0.3, 1), {}) == 1  # poor draft: the shortest chain
-    assert model.decide(settled, _figures(0.95, 1), {}) == 5  # good draft, small batch: the longest
+    assert model.decide(_state(3, 0.3), 1, {}) == 1  # poor draft: the shortest chain
+    assert model.decide(_state(3, 0.95), 1, {}) == 5  # good draft, small batch: the longest
     # With nothing measured the prior decides; the trained small DeepSeek's acceptance (0.71):
     # 3 steps at batch 1, 1 step at batch 32.
-    assert model.decide(settled, _figures(0.71, 1), {}) == 3
-    assert model.decide(settled, _figures(0.71, 32), {}) == 1
+    assert model.decide(_state(3, 0.71), 1, {}) == 3
+    assert model.decide(_state(3, 0.71), 32, {}) == 1
     # Fewer steps as the batch grows, never more.
     for alpha in (0.5, 0.71, 0.8, 0.9):
-        picks = [model.decide(TierState(s, held=100), _figures(alpha, b), {}) for s in TIERS for b in (1, 4, 16, 64)]
+        picks = [model.decide(_state(s, alpha), b, {}) for s in TIERS for b in (1, 4, 16, 64)]
         for s in range(len(TIERS)):
             by_batch = picks[4 * s : 4 * s + 4]
             assert by_batch == sorted(by_batch, reverse=True), (alpha, by_batch)
@@ -95,86 +106,118 @@ def test_cost_model_picks_long_chains_for_good_drafts_and_small_batches():
 def test_cost_model_hysteresis():
     model = CostModel(TIERS)
     # Near the 1 / 3 boundary (alpha 0.71, batch 20) each tier keeps itself: switching would gain < 5%.
-    near = _figures(0.71, 20)
-    assert model.decide(TierState(1, held=100), near, {}) == 1
-    assert model.decide(TierState(3, held=100), near, {}) == 3
-    # Figures wobbling around the boundary do not make the tier flap.
+    assert model.decide(_state(1, 0.71), 20, {}) == 1
+    assert model.decide(_state(3, 0.71), 20, {}) == 3
+    # Acceptance wobbling around the boundary does not make the tier flap.
     rng = random.Random(0)
     tiers = AdaptiveTiers(3, model)
-    chosen = [tiers.next_tier(_figures(0.71 + rng.uniform(-0.01, 0.01), 20)) for _ in range(400)]
+    chosen = [tiers.next_tier(_report(0.71 + rng.uniform(-0.01, 0.01), 20)) for _ in range(400)]
     assert chosen == [3] * 400
     # A clear change switches, but only after the tier has run min_dwell cycles.
-    assert model.decide(TierState(3, held=model.min_dwell - 1), _figures(0.2, 1), {}) == 3
-    assert model.decide(TierState(3, held=model.min_dwell), _figures(0.2, 1), {}) == 1
-    # No decision before the window holds min_trials trials.
-    assert model.decide(TierState(3, held=100), _figures(0.0, 1, trials=model.min_trials - 1), {}) == 3
+    assert model.decide(_state(3, 0.2, held=model.min_dwell - 1), 1, {}) == 3
+    assert model.decide(_state(3, 0.2, held=model.min_dwell), 1, {}) == 1
+    # No decision before the first position's record holds min_trials trials.
+    assert model.decide(_state(3, 0.0, trials=model.min_trials - 1), 1, {}) == 3
+    assert model.decide(TierState(3, held=100), 1, {}) == 3
 
 
-def test_the_deeper_rate_decides_and_is_remembered():
-    """The first draft accepted 90% of the time, the deeper ones 30%: one step (a pooled 90%
-    would pick five). A window without deeper trials (cycles at one step) takes the deeper rate
-    of the latest window that had them; with none yet, the first position's."""
+def test_each_positions_rate_decides_and_is_kept():
+    """The first draft accepted 90% of the time, later ones 30%: one step (one rate of 90%
+    would pick five). Reports without trials of later positions (cycles at one step) keep their
+    records; a position with too few trials on record takes the rate of the one before it."""
     model = CostModel(TIERS)
-    settled = TierState(3, held=100)
-    assert model.decide(settled, _figures(0.9, 1, deeper=0.3), {}) == 1
-    assert model.decide(settled, _figures(0.9, 1), {}) == 5
-    no_deeper = [RankFigures(_trials(0.9, 100), Trials(), 1)]
-    assert model.decide(TierState(1, held=100, deeper_alpha=3 * ALPHA_ONE // 10), no_deeper, {}) == 1
-    assert model.decide(TierState(1, held=100), no_deeper, {}) == 5
-    tiers = AdaptiveTiers(3, model)
-    tiers.next_tier(_figures(0.9, 1, deeper=0.3))
-    assert tiers.state.deeper_alpha == 3 * ALPHA_ONE // 10
-    few = [RankFigures(_trials(0.9, 100), Trials(1, MIN_DEEPER_TRIALS - 2), 1)]
-    tiers.next_tier(few)
-    assert tiers.state.deeper_alpha == 3 * ALPHA_ONE // 10
+    assert model.decide(_state(3, (0.9, 0.3, 0.3, 0.3, 0.3)), 1, {}) == 1
+    assert model.decide(_state(3, 0.9), 1, {}) == 5
+    first_only = [RankFigures((_trials(0.9, 100), *NO_TRIALS[1:]), 1)]
+    kept = _state(1, (0.9, 0.3, 0.3, 0.3, 0.3)).with_trials(first_only)
+    assert [r.trials for r in kept.records[1:]] == [1000 * RECORD_ONE] * 4
+    assert model.decide(kept, 1, {}) == 1
+    assert model.decide(TierState(1, held=100).with_trials(first_only), 1, {}) == 5
+    # Positions 2 and 3 are accepted often, 4 and 5 rarely: 3 steps (one rate over the later
+    # positions, 0.55, would pick 1 step; the 0.8 of positions 2 and 3 alone, 5 steps).
+    assert model.decide(_state(3, (0.9, 0.8, 0.8, 0.3, 0.3)), 1, {}) == 3
 
 
-def _settle(first: float, deeper: float, cost_us: dict[int, int], cycles: int, seed: int) -> list[int]:
-    """One rank deciding `cycles` decode cycles at batch 1 with draft positions accepted at
-    these rates and cycles costing these times: the tier of every cycle."""
+def test_position_records_weigh_recent_trials():
+    """Each new trial weighs as much as the POSITION_MEMORY before it: a rate that changes is
+    followed within a few hundred trials whatever the batch, and a position below
+    MIN_POSITION_TRIALS on record takes the rate of the one before it."""
+    record = PositionRecord()
+    for _ in range(40):
+        record = record.add(_trials(0.9, 10))
+    assert abs(record.rate() / ALPHA_ONE - 0.9) < 0.01
+    for _ in range(60):
+        record = record.add(_trials(0.5, 10))
+    assert abs(record.rate() / ALPHA_ONE - 0.5) < 0.02
+    one_by_one = PositionRecord()
+    for i in range(600):
+        one_by_one = one_by_one.add(Trials(1, 0) if i < 300 or i % 2 else Trials(0, 1))
+    assert abs(one_by_one.rate() / ALPHA_ONE - 0.5) < 0.05
+    assert PositionRecord().add(Trials(1, MIN_POSITION_TRIALS - 2)).rate() is None
+    state = TierState(3).with_trials([RankFigures((_trials(0.8, 100), Trials(1, 2), *NO_TRIALS[2:]), 1)])
+    assert state.rates() == [_trials(0.8, 100).accepted * ALPHA_ONE // 100] * 5
+
+
+def _settle(rates: tuple[float, ...], cost_us: dict[int, int], cycles: int, seed: int) -> list[int]:
+    """One rank deciding `cycles` decode cycles at batch 1, position d of a chain accepted with
+    probability rates[d - 1] given the ones before it were, cycles costing these times: the
+    tier of every cycle."""
     rng = random.Random(seed)
     tiers = AdaptiveTiers(5, CostModel(TIERS))
     chosen: list[int] = []
     for _ in range(cycles):
         steps = tiers.next_tier(tiers.local_figures(1), cost_us[chosen[-1]] if chosen else 0)
-        accepted = int(rng.random() < first)
-        while 0 < accepted < steps and rng.random() < deeper:
+        accepted = 0
+        while accepted < steps and rng.random() < rates[accepted]:
             accepted += 1
         tiers.observe(steps, [accepted])
         chosen.append(steps)
     return chosen
 
 
-def test_a_draft_good_at_its_first_position_settles_on_its_best_tier():
-    """First drafts accepted 90% of the time, later ones 50%, cycles of 1, 3 and 5 steps costing
-    1.0, 1.15 and 1.3 ms: 3 steps has the most tokens per ms (2.24 against 1.90 and 2.11).
-    After measuring its neighbours the decision stays there. One rate pooled over the depths
-    would not: after cycles at 1 step it is the first position's 90%, which picks 5 steps."""
-    for seed in range(3):
-        chosen = _settle(0.9, 0.5, {1: 1000, 3: 1150, 5: 1300}, 1500, seed)
+@pytest.mark.parametrize(
+    "rates, cost_us",
+    [
+        # 3 steps: 2.24 tokens per ms against 1.90 (1 step) and 2.11 (5 steps). One rate pooled
+        # over the positions is the first's 90% after cycles at 1 step, which picks 5 steps.
+        ((0.9, 0.5, 0.5, 0.5, 0.5), {1: 1000, 3: 1150, 5: 1300}),
+        # 3 steps: 2.65 tokens per ms against 1.90 and 2.44 (positions 4 and 5 rarely accepted).
+        ((0.9, 0.75, 0.7, 0.4, 0.3), {1: 1000, 3: 1150, 5: 1350}),
+        # 3 steps: 1.78 against 1.60 and 1.66 (a poorer draft).
+        ((0.6, 0.5, 0.5, 0.5, 0.5), {1: 1000, 3: 1150, 5: 1300}),
+    ],
+)
+def test_a_draft_settles_on_its_best_tier(rates, cost_us):
+    """After measuring its neighbours the decision stays at the tier of the most tokens per
+    unit of time."""
+    for seed in range(5):
+        chosen = _settle(rates, cost_us, 1500, seed)
         assert chosen[500:].count(3) >= 0.95 * len(chosen[500:]), (seed, {s: chosen.count(s) for s in TIERS})
 
 
-def test_window_counts_trials_per_depth():
-    """A chain tries its first draft; its deeper drafts only after the first is accepted. A
-    request that accepted its whole chain rejected nothing, any other one draft: the first (none
-    accepted) or a deeper one. The window keeps the latest cycles only."""
-    assert chain_trials(3, 0) == (Trials(0, 1), Trials(0, 0))
-    assert chain_trials(3, 1) == (Trials(1, 0), Trials(0, 1))
-    assert chain_trials(3, 3) == (Trials(1, 0), Trials(2, 0))
-    assert chain_trials(1, 1) == (Trials(1, 0), Trials(0, 0))
-    tiers = AdaptiveTiers(3, CostModel(TIERS), window_cycles=2, window_verifies=3)
+def test_trials_are_counted_per_position_and_reported_once():
+    """Position d of a chain is tried when the d - 1 before it were accepted. A request that
+    accepted its whole chain rejected nothing, any other one draft. A report carries the trials
+    since the previous one."""
+    n, a, r = Trials(), Trials(1, 0), Trials(0, 1)
+    assert chain_trials(3, 0, 5) == (r, n, n, n, n)
+    assert chain_trials(3, 1, 5) == (a, r, n, n, n)
+    assert chain_trials(3, 3, 5) == (a, a, a, n, n)
+    assert chain_trials(1, 1, 5) == (a, n, n, n, n)
+    tiers = AdaptiveTiers(3, CostModel(TIERS))
     tiers.observe(3, [3, 0, 2])
-    assert tiers.window_figures() == (Trials(2, 1), Trials(3, 1))
+    tiers.observe(5, [])  # no requests: no trials
+    assert tiers.plan_trials() == (2, 1, 2, 0, 1, 1, 0, 0, 0, 0)
+    assert tiers.plan_trials() == (0,) * 10
     tiers.observe(1, [1, 1])
     tiers.observe(5, [0])
-    assert tiers.window_figures() == (Trials(2, 1), Trials(0, 0))  # the first cycle left the window
-    tiers.observe(5, [])  # no requests: nothing enters
-    tiers.observe(3, [0])
-    # The latest two cycles hold two verifies: the window keeps the third latest to hold three.
-    assert tiers.window_figures() == (Trials(2, 2), Trials(0, 0)) and len(tiers.window) == 3
-    assert tiers.total.accept_lengths() == {1: 2.0, 3: 9 / 4, 5: 1.0}
-    assert tiers.internal_state()["spec_tier_cycles"] == {"1": 1, "3": 2, "5": 2}
+    assert tiers.local_figures(4) == [RankFigures((Trials(2, 1), n, n, n, n), 4)]
+    assert tiers.total.accept_lengths() == {1: 2.0, 3: 8 / 3, 5: 1.0}
+    assert tiers.internal_state()["spec_tier_cycles"] == {"1": 1, "3": 1, "5": 2}
+    # Reports count once, also those of an iteration without a batch on any rank.
+    tiers.next_tier(_report(0.5, 0, trials=10))
+    tiers.absorb(_report(0.5, 0, trials=10))
+    assert tiers.state.records[0].trials == 10 * RECORD_ONE * POSITION_MEMORY // (POSITION_MEMORY + 10) + 10 * RECORD_ONE
 
 
 def test_measured_cycle_times_decide_over_the_prior():
@@ -184,9 +227,9 @@ def test_measured_cycle_times_decide_over_the_prior():
     from the nearest measured one by the prior's ratio."""
     model = CostModel(TIERS)
     cheap_drafts = {(1, 32): CycleTime(1000, 0), (3, 32): CycleTime(1300, 0), (5, 32): CycleTime(1700, 0)}
-    assert model.decide(TierState(1, held=100, cycles=10), _figures(0.71, 32), cheap_drafts) == 3
+    assert model.decide(_state(1, 0.71, cycles=10), 32, cheap_drafts) == 3
     dear_drafts = {(1, 1): CycleTime(1000, 0), (3, 1): CycleTime(2000, 0), (5, 1): CycleTime(3000, 0)}
-    assert model.decide(TierState(3, held=100, cycles=10), _figures(0.71, 1), dear_drafts) == 1
+    assert model.decide(_state(3, 0.71, cycles=10), 1, dear_drafts) == 1
     # Another bucket's times do not count: batch 8 falls back to the prior.
     assert model.costs(8, cheap_drafts) == {s: model.prior_cost(s, 8) for s in TIERS}
     only_three = {(3, 32): CycleTime(1300, 0)}
@@ -203,21 +246,20 @@ def test_neighbouring_tiers_are_measured_then_remeasured():
     explore_every cycles is measured again. Nothing is explored before the current tier's own
     time exists, nor before the dwell."""
     model = CostModel(TIERS)
-    figures = _figures(0.71, 32)
     times = {(3, 32): CycleTime(1300, 50)}
-    assert model.decide(TierState(3, held=100, cycles=60), figures, times) == 1
-    assert model.decide(TierState(3, held=model.min_dwell - 1, cycles=60), figures, times) == 3
+    assert model.decide(_state(3, 0.71, held=100, cycles=60), 32, times) == 1
+    assert model.decide(_state(3, 0.71, held=model.min_dwell - 1, cycles=60), 32, times) == 3
     # From the unmeasured 5 nothing is explored: tier 3's time scaled by the prior decides (1 step).
-    assert model.decide(TierState(5, held=100, cycles=60), figures, times) == 1
+    assert model.decide(_state(5, 0.71, held=100, cycles=60), 32, times) == 1
     times[1, 32] = CycleTime(1000, 70)
-    assert model.decide(TierState(1, held=model.min_dwell, cycles=70), figures, times) == 3
-    assert model.decide(TierState(3, held=model.min_dwell, cycles=80), figures, times) == 5  # 5 next
+    assert model.decide(_state(1, 0.71, held=model.min_dwell, cycles=70), 32, times) == 3
+    assert model.decide(_state(3, 0.71, held=model.min_dwell, cycles=80), 32, times) == 5  # 5 next
     times[5, 32] = CycleTime(1700, 90)
-    assert model.decide(TierState(5, held=model.min_dwell, cycles=90), figures, times) == 3
-    assert model.decide(TierState(3, held=100, cycles=100), figures, times) == 3
+    assert model.decide(_state(5, 0.71, held=model.min_dwell, cycles=90), 32, times) == 3
+    assert model.decide(_state(3, 0.71, held=100, cycles=100), 32, times) == 3
     later = 70 + model.explore_every + 1  # tier 1's time is stale, tier 5's not yet
     times[3, 32] = CycleTime(1300, later)
-    assert model.decide(TierState(3, held=100, cycles=later), figures, times) == 1
+    assert model.decide(_state(3, 0.71, held=100, cycles=later), 32, times) == 1
 
 
 def test_cycle_times_count_decode_only_iterations():
@@ -225,7 +267,7 @@ def test_cycle_times_count_decode_only_iterations():
     when it ran a decode cycle and nothing else, after an iteration that ran one at the same
     tier and bucket; a moving average (1/4 for a new time)."""
     tiers = AdaptiveTiers(3, CostModel(TIERS))
-    figures = _figures(0.71, 20)  # bucket 32
+    figures = _report(0.71, 20)  # bucket 32
     tiers.next_tier(figures)
     assert tiers.timed is None  # no iteration before it
     tiers.next_tier(figures)
@@ -237,7 +279,7 @@ def test_cycle_times_count_decode_only_iterations():
     tiers.next_tier(figures, cycle_us=9999)  # the prefilling iteration's time: not counted
     assert tiers.times[3, 32].us == 1400 and tiers.timed is None  # nor this one's (after a prefill)
     tiers.next_tier(figures, cycle_us=8888)
-    tiers.next_tier([RankFigures(Trials(), Trials(), 0)], cycle_us=1000)  # counted; no decode cycle now
+    tiers.next_tier([RankFigures(NO_TRIALS, 0)], cycle_us=1000)  # counted; no decode cycle now
     assert tiers.times[3, 32].us == 1300 and tiers.timed is None
     tiers.next_tier(figures, cycle_us=5000)  # after an iteration without decode cycles: nothing
     assert tiers.times[3, 32].us == 1300
@@ -250,7 +292,7 @@ def test_cycle_times_skip_the_first_iteration_of_a_tier():
     """Two cycles at 3 steps, two at 5, again: only the second iteration of each run counts,
     for its own tier (the first mostly waits for the other tier's cycle)."""
     tiers = AdaptiveTiers(3, FixedSchedule(((3, 2), (5, 2))))
-    figures = _figures(0.71, 20)
+    figures = _report(0.71, 20)
     counted = []
     for i in range(8):
         tiers.next_tier(figures, cycle_us=1000 + i)
@@ -263,7 +305,7 @@ def test_cycle_times_skip_the_first_iteration_of_a_tier():
 
 def _gathered(locals_: list[LocalPlan]) -> GlobalPlan:
     """What SchedulerComm.gather_plan returns: every rank's packed ints, unpacked."""
-    return GlobalPlan(tuple(LocalPlan(*torch.tensor(p.pack(), dtype=torch.int64).tolist()) for p in locals_))
+    return GlobalPlan(tuple(LocalPlan.unpack(torch.tensor(p.pack(), dtype=torch.int64).tolist()) for p in locals_))
 
 
 def _chain(steps: int, skill: float, rng: random.Random) -> int:
@@ -275,11 +317,12 @@ def _chain(steps: int, skill: float, rng: random.Random) -> int:
 
 
 def test_every_rank_decides_alike_from_the_plan():
-    """Four DP ranks, each with its own window (different acceptance), batches coming and going,
-    prefills mixed in: every rank takes the same decision every iteration from the gathered
-    plan, although the ranks' own figures alone would often have decided otherwise."""
+    """Four DP ranks, each with its own acceptance, batches coming and going, prefills mixed
+    in: every rank takes the same decision every iteration from the gathered plan, although a
+    rank deciding from its own reports alone would often have decided otherwise."""
     rng = random.Random(1)
     ranks = [AdaptiveTiers(5, CostModel(TIERS, min_dwell=3)) for _ in range(4)]
+    solos = [AdaptiveTiers(5, CostModel(TIERS, min_dwell=3)) for _ in range(4)]
     skill = [0.2, 0.6, 0.8, 0.95]  # each rank's draft acceptance
     decisions, alone_differs = [], 0
     for _ in range(300):
@@ -287,24 +330,20 @@ def test_every_rank_decides_alike_from_the_plan():
         for r, tiers in enumerate(ranks):
             batch = rng.choice([0, 0, 1, 3, 8, 30])
             extend = rng.random() < 0.1
-            first, deeper = tiers.window_figures()
             locals_.append(
                 LocalPlan(
                     num_tokens=batch * 2,
                     num_reqs=batch,
                     is_extend=int(extend),
                     has_work=1,
-                    spec_first_accepted=first.accepted,
-                    spec_first_rejected=first.rejected,
-                    spec_deeper_accepted=deeper.accepted,
-                    spec_deeper_rejected=deeper.rejected,
+                    spec_trials=tiers.plan_trials(),
                     spec_cycle_us=rng.randint(500, 3000) if tiers.timed else 0,  # each rank's own clock
                 )
             )
         plan = _gathered(locals_)
         figures = figures_of_plan(plan)
-        alone = [t.preview(t.local_figures(f.decode_reqs)) for t, f in zip(ranks, figures)]
         cycle_us = max(p.spec_cycle_us for p in plan.per_rank)
+        alone = [solo.next_tier([f], cycle_us, decode_only=not plan.any_extend) for solo, f in zip(solos, figures)]
         chosen = [t.next_tier(figures, cycle_us, decode_only=not plan.any_extend) for t in ranks]
         assert len(set(chosen)) == 1, chosen
         assert len({t.state for t in ranks}) == 1 and all(t.times == ranks[0].times for t in ranks)
@@ -318,8 +357,8 @@ def test_every_rank_decides_alike_from_the_plan():
 
 def test_fixed_schedule_counts_decode_cycles_only():
     tiers = AdaptiveTiers(3, FixedSchedule(((3, 2), (1, 1))))
-    idle = [RankFigures(Trials(), Trials(), 0)]
-    busy = [RankFigures(Trials(), Trials(), 2)]
+    idle = [RankFigures(NO_TRIALS, 0)]
+    busy = [RankFigures(NO_TRIALS, 2)]
     steps = [tiers.next_tier(figures) for figures in [busy, idle, busy, busy, idle, busy, busy, busy]]
     # Two cycles at 3, one at 1, again; an iteration without decode keeps the tier and the count.
     assert steps == [3, 3, 3, 1, 1, 3, 3, 1]
@@ -469,7 +508,7 @@ def _decide_main(rank: int, server_args: ServerArgs, port_args: PortArgs, prompt
     ranks of one DP group get the same."""
     torch.set_num_threads(1)
     scheduler = start_scheduler(server_args, rank, port_args)
-    scheduler.adaptive.policy = CostModel(TIERS, min_dwell=2)  # moves within a short run
+    scheduler.adaptive.policy = CostModel(TIERS, min_dwell=2, min_trials=8)  # moves within a short run
     tiers: list[int] = []
     next_tier = scheduler.adaptive.next_tier
 
@@ -487,7 +526,7 @@ def _decide_main(rank: int, server_args: ServerArgs, port_args: PortArgs, prompt
 def test_ranks_decide_alike(partial_deepseek_v3_dir, parallel):
     """The decision itself (its dwell shortened so that it moves within a short run), from the
     largest tier: under DP attention from both ranks' figures in the plan, under TP alone from
-    each rank's own window (the same requests, the same acceptance). Both ranks take the same
+    each rank's own reports (the same requests, the same acceptance). Both ranks take the same
     tier at every iteration (--debug-collectives also compares what their collectives moved),
     it moves, and the tokens equal the reference."""
     dp = dict(dp_size=2, enable_dp_attention=True) if parallel == "dp_attention" else {}

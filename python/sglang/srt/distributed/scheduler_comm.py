@@ -44,21 +44,20 @@ class LocalPlan:
     has_work: int = 0  # 1 when this rank holds requests (queued, running or in flight)
     prefill_wait: int = 0  # iterations this rank has held prefills (managers/dp_prefill_align.py)
     prompt_logprobs: int = 0  # 1 when this rank's prefill computes prompt logprobs (no prefill graph holds them)
-    # --speculative-adaptive: draft positions accepted and rejected over this rank's recent
-    # verify cycles, the first position and the deeper ones apart (speculative/adaptive.py).
-    spec_first_accepted: int = 0
-    spec_first_rejected: int = 0
-    spec_deeper_accepted: int = 0
-    spec_deeper_rejected: int = 0
     # --speculative-adaptive: the previous iteration's wall time when it ran a decode cycle alone (us).
     spec_cycle_us: int = 0
-
-    @classmethod
-    def width(cls) -> int:
-        return len(dataclasses.fields(cls))
+    # --speculative-adaptive: per draft position, accepted and rejected over this rank's recent
+    # verify cycles (speculative/adaptive.py); the same length on every rank. Packed last.
+    spec_trials: tuple[int, ...] = ()
 
     def pack(self) -> list[int]:
-        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+        scalars = [getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "spec_trials"]
+        return scalars + list(self.spec_trials)
+
+    @classmethod
+    def unpack(cls, ints: list[int]) -> LocalPlan:
+        n = len(dataclasses.fields(cls)) - 1  # the scalars before spec_trials
+        return cls(*ints[:n], spec_trials=tuple(ints[n:]))
 
 
 @dataclass(frozen=True)
@@ -135,7 +134,7 @@ class SchedulerComm:
         vec = torch.tensor(local.pack(), dtype=torch.int64)
         parts = [torch.empty_like(vec) for _ in range(self.tp_size)]
         dist.all_gather(parts, vec, group=self.world_cpu_group)
-        plans = [LocalPlan(*p.tolist()) for p in parts]
+        plans = [LocalPlan.unpack(p.tolist()) for p in parts]
         return GlobalPlan(tuple(plans[:: self.attn_tp_size]))
 
     def gather_objects(self, obj: Any) -> list[Any]:

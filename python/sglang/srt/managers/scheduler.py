@@ -48,7 +48,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.model_executor.tp_worker import GenerationResult, LaunchedStep, TpModelWorker
 from sglang.srt.sampling.sampler import NAN_TOKEN_ID
 from sglang.srt.server_args import PortArgs, ServerArgs
-from sglang.srt.speculative.adaptive import AdaptiveTiers, Trials, figures_of_plan
+from sglang.srt.speculative.adaptive import AdaptiveTiers, figures_of_plan
 from sglang.srt.speculative.eagle_worker import EAGLEWorker, target_runner_setup
 from sglang.srt.utils.hf_transformers_utils import get_server_tokenizer, resolve_model_path
 from sglang.srt.utils.zmq_utils import shared_context
@@ -268,8 +268,7 @@ class Scheduler:
         (and, with speculation, the phases and sizes of every sub-forward, see spec_plan.py).
         A rank without work runs an IDLE batch so that each collective is issued everywhere."""
         self.forward_started_at = time.monotonic()
-        # A rank without running requests has no recent acceptance to report (its window may be old).
-        first, deeper = self.adaptive.window_figures() if self.adaptive and self.running else (Trials(), Trials())
+        spec_trials = self.adaptive.plan_trials() if self.adaptive else ()
         local = LocalPlan(
             num_tokens=len(batch.input_ids) if batch else 0,
             num_reqs=len(batch.reqs) if batch else 0,
@@ -281,16 +280,15 @@ class Scheduler:
                 prefilled=batch is not None and batch.mode == ForwardMode.EXTEND,
                 continues_chunk=self.chunked_req is not None,
             ),
-            spec_first_accepted=first.accepted,
-            spec_first_rejected=first.rejected,
-            spec_deeper_accepted=deeper.accepted,
-            spec_deeper_rejected=deeper.rejected,
+            spec_trials=spec_trials,
             spec_cycle_us=self.decode_iteration_us,
         )
         plan = self.last_plan = self.comm.gather_plan(local)
         self.forward_started_at = None
         self.globally_idle = not plan.any_work
         if plan.all_idle:
+            if self.adaptive is not None:
+                self.adaptive.absorb(figures_of_plan(plan))
             return None, None
         batch = batch or ScheduleBatch.idle()
         batch.global_num_tokens = plan.global_num_tokens

@@ -1,33 +1,33 @@
 """--speculative-adaptive: the tier (draft steps per cycle) each decode cycle runs at.
 
-Figures. Each rank keeps a window of its latest verify cycles, at least `WINDOW_CYCLES` of
-them and enough to hold `WINDOW_VERIFIES` request verifies (at batch 1 a window of 16 cycles
-estimates a rate near 0.9 to about 0.08, too coarse to rank tiers a few percent apart), and
-counts, over their requests, the trials of the first draft position and of the deeper ones apart. A draft
-position is a trial when every draft before it was accepted; it is accepted or rejected (a
-request whose chain stopped before its end rejected one draft; one that accepted its whole
-chain rejected none). So first_accepted / first_trials estimates the chance that a cycle's
-first draft is accepted, and deeper_accepted / deeper_trials the chance that a later one is,
-given the drafts before it were, whatever tiers the window's cycles ran at. The two differ
-(the first is usually the likelier): one rate pooled over the depths that the window's cycles
-happened to reach would make longer chains look best after short cycles and shorter ones
-after long cycles, and the tier would alternate. Under DP attention every rank puts its four
-counts into the iteration's plan all-gather (LocalPlan; zeros while it has no running
-requests), so every rank sees every rank's figures, and the decode batch of every rank.
+Figures. A draft position d (1 to the largest tier's steps) is a trial of a request's verify
+when the d - 1 drafts before it were accepted; it is accepted or rejected (a request whose
+chain stopped before its end rejected one draft; one that accepted its whole chain rejected
+none). Each rank counts the trials of each position in the verify cycles it processes and
+reports the counts since its previous report once per iteration; under DP attention in the
+iteration's plan all-gather (LocalPlan.spec_trials), so every rank sees every rank's counts
+and the decode batch of every rank. The tier state keeps per position a record of its trials
+(`PositionRecord`): each new trial weighs as much as the `POSITION_MEMORY` trials before it
+together, so the record follows the latest hundred or so trials of that position, however many
+cycles they took (at batch 1 a window of 16 cycles would estimate a rate near 0.9 to about
+0.08, too coarse to rank tiers a few percent apart), and a position that no cycle tries (cycles
+at 1 step try only the first) keeps its record. a_d, position d's accepted / trials, is the
+chance that a cycle's d-th draft is accepted given the ones before it were, whatever tiers the
+cycles ran at. The positions differ (the first is usually the likeliest): one rate pooled over
+the positions that recent cycles happened to reach would make longer chains look best after
+short cycles and shorter ones after long cycles, and the tier would alternate.
 
-Decision (`CostModel.decide`): with a1 the first position's rate and ad the deeper positions'
-over the DP ranks, and b the largest DP rank's decode batch (the busiest rank sets the
-iteration's time),
+Decision (`CostModel.decide`): with b the largest DP rank's decode batch (the busiest rank sets
+the iteration's time),
 
-    tokens(s) = 1 + a1 (1 + ad + ... + ad^(s-1))           tokens per request of a cycle at s steps
+    tokens(s) = 1 + a_1 + a_1 a_2 + ... + a_1 a_2 ... a_s  tokens per request of a cycle at s steps
     goodput(s) = tokens(s) / cost(s)
 
 and the next cycle runs at the tier of the highest goodput, but leaves the current tier only
 when that beats the current tier's goodput by `switch_gain` and the current tier has run
 `min_dwell` cycles (hysteresis: no flapping between tiers of nearly equal goodput), and not
-before the window holds `min_trials` first-position trials. A window with fewer than
-`MIN_DEEPER_TRIALS` deeper trials (cycles at 1 step have none) takes ad from the latest
-window that had them (`TierState.deeper_alpha`), or a1 when none has yet.
+before the first position's record holds `min_trials` trials. A position whose record holds
+fewer than `MIN_POSITION_TRIALS` trials takes the rate of the position before it.
 
 cost(s) is measured: the wall time of an iteration that ran a decode cycle and nothing else
 (start to next start), after one that did the same at the same tier and bucket (with overlap
@@ -55,16 +55,15 @@ windows, and their decisions, are the same too.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Protocol
 
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
 
-WINDOW_CYCLES = 16
-WINDOW_VERIFIES = 64
-MIN_DEEPER_TRIALS = 8  # a window with fewer deeper trials keeps the latest deeper rate
+POSITION_MEMORY = 128  # a position's new trial weighs 1 / (POSITION_MEMORY + 1) of its record
+RECORD_ONE = 1 << 8  # one trial in a PositionRecord's fixed-point counts
+MIN_POSITION_TRIALS = 32  # a position with fewer trials on record takes the rate of the one before
 ALPHA_ONE = 1 << 20  # alpha = 1 in the decision's fixed-point arithmetic
 TIME_AVERAGE_SHIFT = 2  # a new cycle time weighs 1 / 4 in its moving average
 
@@ -87,7 +86,7 @@ CycleTimes = Mapping[tuple[int, int], CycleTime]  # (steps, batch bucket) -> tim
 
 @dataclass(frozen=True)
 class Trials:
-    """Draft positions tried over a window, of the first position or of the deeper ones."""
+    """The trials of one draft position: counts, added as they come."""
 
     accepted: int = 0
     rejected: int = 0
@@ -99,50 +98,64 @@ class Trials:
     def count(self) -> int:
         return self.accepted + self.rejected
 
-    def rate(self) -> int:
-        """accepted / count in units of 1 / ALPHA_ONE (count > 0)."""
-        return self.accepted * ALPHA_ONE // self.count
+
+DepthTrials = tuple[Trials, ...]  # per draft position, the first (depth 1) first
 
 
-def chain_trials(steps: int, accepted: int) -> tuple[Trials, Trials]:
-    """(first position, deeper positions) trials of one request's chain of `steps` drafts of
-    which it accepted `accepted`: the deeper positions are tried only after the first is accepted."""
-    if accepted == 0:
-        return Trials(0, 1), Trials()
-    return Trials(1, 0), Trials(accepted - 1, int(accepted < steps))
+def chain_trials(steps: int, accepted: int, depths: int) -> DepthTrials:
+    """The trials of one request's chain of `steps` drafts of which it accepted `accepted`, per
+    position up to `depths`: position d is tried when the d - 1 before it were accepted."""
+    return tuple(
+        Trials(int(accepted >= d), int(accepted == d - 1)) if d <= steps and accepted >= d - 1 else Trials()
+        for d in range(1, depths + 1)
+    )
+
+
+def summed(rows: Sequence[DepthTrials], depths: int) -> DepthTrials:
+    """Position by position sums (an empty sequence: no trials at any of `depths` positions)."""
+    return tuple(sum((row[d] for row in rows), Trials()) for d in range(depths))
+
+
+@dataclass(frozen=True)
+class PositionRecord:
+    """One position's trials so far, older ones fading: fixed-point counts (RECORD_ONE a trial)."""
+
+    accepted: int = 0
+    trials: int = 0
+
+    def add(self, new: Trials) -> PositionRecord:
+        """With `new` trials: the old counts keep POSITION_MEMORY / (POSITION_MEMORY + n) of
+        their weight (n: the new trials), so each trial weighs as much as the memory before it."""
+        if not new.count:
+            return self
+        kept, total = POSITION_MEMORY, POSITION_MEMORY + new.count
+        return PositionRecord(
+            self.accepted * kept // total + new.accepted * RECORD_ONE, self.trials * kept // total + new.count * RECORD_ONE
+        )
+
+    def rate(self, min_trials: int = MIN_POSITION_TRIALS) -> Optional[int]:
+        """accepted / trials in units of 1 / ALPHA_ONE, or None below min_trials trials (at least 1)."""
+        return self.accepted * ALPHA_ONE // self.trials if self.trials >= max(min_trials, 1) * RECORD_ONE else None
 
 
 @dataclass(frozen=True)
 class RankFigures:
-    """One DP rank's figures for the decision: its window's first-position and deeper trials,
-    and the requests it decodes this iteration (0: it prefills or idles)."""
+    """One DP rank's report: the trials per draft position of the verify cycles it processed
+    since its previous report, and the requests it decodes this iteration (0: it prefills or idles)."""
 
-    first: Trials
-    deeper: Trials
+    trials: DepthTrials
     decode_reqs: int
 
 
 def figures_of_plan(plan: GlobalPlan) -> list[RankFigures]:
-    """Every DP rank's figures from the iteration's plan (the same on every rank)."""
+    """Every DP rank's report from the iteration's plan (the same on every rank)."""
     return [
         RankFigures(
-            Trials(p.spec_first_accepted, p.spec_first_rejected),
-            Trials(p.spec_deeper_accepted, p.spec_deeper_rejected),
+            tuple(Trials(*p.spec_trials[i : i + 2]) for i in range(0, len(p.spec_trials), 2)),
             0 if p.is_extend else p.num_reqs,
         )
         for p in plan.per_rank
     ]
-
-
-def summed(trials: Sequence[Trials]) -> Trials:
-    return sum(trials, Trials())
-
-
-def deeper_alpha(figures: Sequence[RankFigures], latest: Optional[int]) -> Optional[int]:
-    """The deeper positions' rate over the ranks' windows, or `latest` (the last window's that
-    had MIN_DEEPER_TRIALS) when these have fewer."""
-    deeper = summed([f.deeper for f in figures])
-    return deeper.rate() if deeper.count >= MIN_DEEPER_TRIALS else latest
 
 
 @dataclass(frozen=True)
@@ -152,12 +165,36 @@ class TierState:
     steps: int  # the tier the latest decode cycle ran at (before the first: the starting tier)
     held: int = 0  # decode cycles run at it in a row
     cycles: int = 0  # decode cycles since startup
-    deeper_alpha: Optional[int] = None  # the deeper rate of the latest window with enough trials
+    records: tuple[PositionRecord, ...] = ()  # per draft position (none yet: empty)
+
+    def with_trials(self, figures: Sequence[RankFigures]) -> TierState:
+        """The state with every rank's reported trials added to the records."""
+        if not figures or not figures[0].trials:
+            return self
+        new = summed([f.trials for f in figures], len(figures[0].trials))
+        records = self.records or (PositionRecord(),) * len(new)
+        return replace(self, records=tuple(r.add(t) for r, t in zip(records, new)))
+
+    def rates(self) -> list[int]:
+        """Per position its rate; a later one with too few trials takes the one before it's.
+        The first position's record holds trials: the decision waits for min_trials of them."""
+        first = self.records[0].rate(min_trials=1)
+        assert first is not None, "no trial of the first position on record"
+        rates = [first]
+        for record in self.records[1:]:
+            rate = record.rate()
+            rates.append(rates[-1] if rate is None else rate)
+        return rates
 
 
 class TierPolicy(Protocol):
-    def decide(self, state: TierState, figures: Sequence[RankFigures], times: CycleTimes) -> int:
-        """The steps of the next decode cycle: a pure function of its arguments."""
+    @property
+    def depths(self) -> int:
+        """The draft positions the figures cover: the largest tier's steps."""
+
+    def decide(self, state: TierState, batch: int, times: CycleTimes) -> int:
+        """The steps of the next decode cycle (b: the largest DP rank's decode batch, at least
+        1): a pure function of its arguments."""
 
 
 @dataclass(frozen=True)
@@ -172,17 +209,21 @@ class CostModel:
     verify_cost_pct_per_req: int = 1
     switch_gain_pct: int = 5
     min_dwell: int = 8
-    min_trials: int = 8
+    min_trials: int = MIN_POSITION_TRIALS
     explore_every: int = 2048
 
+    @property
+    def depths(self) -> int:
+        return max(self.tiers)
+
     @staticmethod
-    def tokens(steps: int, first: int, deeper: int) -> int:
-        """Expected tokens per request of a cycle at `steps`, in 1 / ALPHA_ONE, with first and
-        deeper the draft positions' acceptance rates in the same unit."""
-        tokens, power = ALPHA_ONE, first
-        for _ in range(steps):
+    def tokens(steps: int, rates: Sequence[int]) -> int:
+        """Expected tokens per request of a cycle at `steps`, in 1 / ALPHA_ONE, with rates[d]
+        the acceptance rate of position d + 1 given the ones before it were accepted."""
+        tokens = power = ALPHA_ONE
+        for rate in rates[:steps]:
+            power = power * rate // ALPHA_ONE
             tokens += power
-            power = power * deeper // ALPHA_ONE
         return tokens
 
     def prior_cost(self, steps: int, batch: int) -> int:
@@ -217,18 +258,15 @@ class CostModel:
                 return steps
         return None
 
-    def decide(self, state: TierState, figures: Sequence[RankFigures], times: CycleTimes) -> int:
-        first = summed([f.first for f in figures])
-        if first.count < self.min_trials or state.held < self.min_dwell:
+    def decide(self, state: TierState, batch: int, times: CycleTimes) -> int:
+        if not state.records or state.records[0].trials < self.min_trials * RECORD_ONE or state.held < self.min_dwell:
             return state.steps
-        batch = max(f.decode_reqs for f in figures)
         unmeasured = self.to_measure(state, batch, times)
         if unmeasured is not None:
             return unmeasured
         costs = self.costs(batch, times)
-        first_alpha = first.rate()
-        deeper = deeper_alpha(figures, state.deeper_alpha)
-        tokens = {s: self.tokens(s, first_alpha, first_alpha if deeper is None else deeper) for s in self.tiers}
+        rates = state.rates()
+        tokens = {s: self.tokens(s, rates) for s in self.tiers}
         best = state.steps
         for steps in self.tiers:  # a tie keeps the tier found first (the current one)
             if tokens[steps] * costs[best] > tokens[best] * costs[steps]:
@@ -246,7 +284,11 @@ class FixedSchedule:
 
     pairs: tuple[tuple[int, int], ...]
 
-    def decide(self, state: TierState, figures: Sequence[RankFigures], times: CycleTimes) -> int:
+    @property
+    def depths(self) -> int:
+        return max(steps for steps, _ in self.pairs)
+
+    def decide(self, state: TierState, batch: int, times: CycleTimes) -> int:
         position = state.cycles % sum(cycles for _, cycles in self.pairs)
         for steps, cycles in self.pairs:
             if position < cycles:
@@ -273,18 +315,13 @@ class TierCounts:
 
 
 class AdaptiveTiers:
-    """One rank's side: its window of verify cycles (the figures it contributes), the tier
-    state and the cycle times (advanced by `next_tier`, on every rank with the same figures
-    and times) and tier usage."""
+    """One rank's side: the trials it has not reported yet, the tier state and the cycle times
+    (advanced by `next_tier`, on every rank with the same reports and times) and tier usage."""
 
-    def __init__(
-        self, start: int, policy: TierPolicy, window_cycles: int = WINDOW_CYCLES, window_verifies: int = WINDOW_VERIFIES
-    ):
+    def __init__(self, start: int, policy: TierPolicy):
         self.start, self.policy = start, policy
-        self.window_cycles, self.window_verifies = window_cycles, window_verifies
-        # Per verify cycle with requests: (first position, deeper positions) trials; a
-        # request's verify is one first-position trial.
-        self.window: deque[tuple[Trials, Trials]] = deque()
+        self.depths = policy.depths
+        self.unreported = summed([], self.depths)
         self.state = TierState(start)
         self.times: dict[tuple[int, int], CycleTime] = {}
         # (steps, batch bucket) of the latest iteration when it ran a decode cycle and nothing else.
@@ -301,8 +338,8 @@ class AdaptiveTiers:
         return cls(args.speculative_num_steps, policy)
 
     def reset(self) -> None:
-        """Back to the starting tier with an empty window, no times and no usage (after a startup check)."""
-        self.window.clear()
+        """Back to the starting tier with no trials, no times and no usage (after a startup check)."""
+        self.unreported = summed([], self.depths)
         self.state = TierState(self.start)
         self.times.clear()
         self.last_key = self.timed = None
@@ -311,44 +348,53 @@ class AdaptiveTiers:
     # ------------------------------------------------------------------ figures
     def observe(self, steps: int, accepted: Sequence[int]) -> None:
         """A verify cycle's outcome on this rank: the tier it ran at, drafts accepted per request."""
-        chains = [chain_trials(steps, a) for a in accepted]
-        if chains:
-            self.window.append((summed([f for f, _ in chains]), summed([d for _, d in chains])))
-        verifies = sum(first.count for first, _ in self.window)
-        while len(self.window) > self.window_cycles and verifies - self.window[0][0].count >= self.window_verifies:
-            verifies -= self.window.popleft()[0].count
+        chains = [chain_trials(steps, a, self.depths) for a in accepted]
+        self.unreported = summed([self.unreported, *chains], self.depths)
         for counts in (self.total, self.since_log):
             counts.add(steps, accepted)
 
-    def window_figures(self) -> tuple[Trials, Trials]:
-        """(first position, deeper positions) trials over the window."""
-        return summed([f for f, _ in self.window]), summed([d for _, d in self.window])
+    def take_report(self) -> DepthTrials:
+        """The trials observed since the previous report, which this one carries."""
+        report, self.unreported = self.unreported, summed([], self.depths)
+        return report
+
+    def plan_trials(self) -> tuple[int, ...]:
+        """LocalPlan.spec_trials: this rank's report, accepted and rejected of each position in turn."""
+        return tuple(n for t in self.take_report() for n in (t.accepted, t.rejected))
 
     def local_figures(self, decode_reqs: int) -> list[RankFigures]:
-        """The figures of one DP group deciding alone (no DP attention)."""
-        return [RankFigures(*self.window_figures(), decode_reqs)]
+        """The report of one DP group deciding alone (no DP attention)."""
+        return [RankFigures(self.take_report(), decode_reqs)]
 
     # ------------------------------------------------------------------ decision
     def preview(self, figures: Sequence[RankFigures]) -> int:
-        """The tier the next decode cycle runs at with these figures (nothing changes)."""
-        if not any(f.decode_reqs for f in figures):
+        """The tier the next decode cycle runs at with these reports (nothing changes)."""
+        batch = max((f.decode_reqs for f in figures), default=0)
+        if not batch:
             return self.state.steps
-        return self.policy.decide(self.state, figures, self.times)
+        return self.policy.decide(self.state.with_trials(figures), batch, self.times)
+
+    def absorb(self, figures: Sequence[RankFigures]) -> None:
+        """Reports of an iteration in which no rank runs a batch: their trials count all the same."""
+        self.state = self.state.with_trials(figures)
 
     def next_tier(self, figures: Sequence[RankFigures], cycle_us: int = 0, decode_only: bool = True) -> int:
         """The tier of this iteration's decode cycle, which every rank runs (idle ranks with
-        zero rows), and the state after it; an iteration without decode cycles keeps the state.
+        zero rows), and the state after it; an iteration without decode cycles keeps the tier.
         cycle_us: the agreed wall time of the previous iteration (0: not measured), which counts
         when that iteration ran a decode cycle and nothing else; decode_only: whether this one does."""
         if self.timed is not None and cycle_us > 0:
             self._record_time(*self.timed, cycle_us)
         steps = self.preview(figures)
+        state = self.state.with_trials(figures)
         key = None
-        if any(f.decode_reqs for f in figures):
-            held = self.state.held + 1 if steps == self.state.steps else 1
-            self.state = TierState(steps, held, self.state.cycles + 1, deeper_alpha(figures, self.state.deeper_alpha))
+        batch = max((f.decode_reqs for f in figures), default=0)
+        if batch:
+            held = state.held + 1 if steps == state.steps else 1
+            state = replace(state, steps=steps, held=held, cycles=state.cycles + 1)
             if decode_only:
-                key = (steps, batch_bucket(max(f.decode_reqs for f in figures)))
+                key = (steps, batch_bucket(batch))
+        self.state = state
         # With overlap scheduling an iteration mostly waits for the cycle launched by the one
         # before it, so its time counts only when both ran at the same tier and bucket.
         self.timed = key if key is not None and key == self.last_key else None
