@@ -56,8 +56,8 @@ class LocalPlan:
 
     @classmethod
     def unpack(cls, ints: list[int]) -> LocalPlan:
-        n = len(dataclasses.fields(cls)) - 1  # the scalars before spec_trials
-        return cls(*ints[:n], spec_trials=tuple(ints[n:]))
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "spec_trials"]
+        return cls(**dict(zip(names, ints)), spec_trials=tuple(ints[len(names) :]))
 
 
 @dataclass(frozen=True)
