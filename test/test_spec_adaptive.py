@@ -42,6 +42,7 @@ from sglang.srt.speculative.adaptive import (
     MIN_POSITION_TRIALS,
     POSITION_MEMORY,
     RECORD_ONE,
+    TIME_SAMPLES,
     AdaptiveTiers,
     CostModel,
     CycleTime,
@@ -226,13 +227,13 @@ def test_measured_cycle_times_decide_over_the_prior():
     the prior picks 3, dear draft positions make 1 step win. A tier not measured is scaled
     from the nearest measured one by the prior's ratio."""
     model = CostModel(TIERS)
-    cheap_drafts = {(1, 32): CycleTime(1000, 0), (3, 32): CycleTime(1300, 0), (5, 32): CycleTime(1700, 0)}
+    cheap_drafts = {(1, 32): CycleTime((1000,), 0), (3, 32): CycleTime((1300,), 0), (5, 32): CycleTime((1700,), 0)}
     assert model.decide(_state(1, 0.71, cycles=10), 32, cheap_drafts) == 3
-    dear_drafts = {(1, 1): CycleTime(1000, 0), (3, 1): CycleTime(2000, 0), (5, 1): CycleTime(3000, 0)}
+    dear_drafts = {(1, 1): CycleTime((1000,), 0), (3, 1): CycleTime((2000,), 0), (5, 1): CycleTime((3000,), 0)}
     assert model.decide(_state(3, 0.71, cycles=10), 1, dear_drafts) == 1
     # Another bucket's times do not count: batch 8 falls back to the prior.
     assert model.costs(8, cheap_drafts) == {s: model.prior_cost(s, 8) for s in TIERS}
-    only_three = {(3, 32): CycleTime(1300, 0)}
+    only_three = {(3, 32): CycleTime((1300,), 0)}
     assert model.costs(32, only_three) == {
         1: 1300 * model.prior_cost(1, 32) // model.prior_cost(3, 32),
         3: 1300,
@@ -246,26 +247,26 @@ def test_neighbouring_tiers_are_measured_then_remeasured():
     explore_every cycles is measured again. Nothing is explored before the current tier's own
     time exists, nor before the dwell."""
     model = CostModel(TIERS)
-    times = {(3, 32): CycleTime(1300, 50)}
+    times = {(3, 32): CycleTime((1300,), 50)}
     assert model.decide(_state(3, 0.71, held=100, cycles=60), 32, times) == 1
     assert model.decide(_state(3, 0.71, held=model.min_dwell - 1, cycles=60), 32, times) == 3
     # From the unmeasured 5 nothing is explored: tier 3's time scaled by the prior decides (1 step).
     assert model.decide(_state(5, 0.71, held=100, cycles=60), 32, times) == 1
-    times[1, 32] = CycleTime(1000, 70)
+    times[1, 32] = CycleTime((1000,), 70)
     assert model.decide(_state(1, 0.71, held=model.min_dwell, cycles=70), 32, times) == 3
     assert model.decide(_state(3, 0.71, held=model.min_dwell, cycles=80), 32, times) == 5  # 5 next
-    times[5, 32] = CycleTime(1700, 90)
+    times[5, 32] = CycleTime((1700,), 90)
     assert model.decide(_state(5, 0.71, held=model.min_dwell, cycles=90), 32, times) == 3
     assert model.decide(_state(3, 0.71, held=100, cycles=100), 32, times) == 3
     later = 70 + model.explore_every + 1  # tier 1's time is stale, tier 5's not yet
-    times[3, 32] = CycleTime(1300, later)
+    times[3, 32] = CycleTime((1300,), later)
     assert model.decide(_state(3, 0.71, held=100, cycles=later), 32, times) == 1
 
 
 def test_cycle_times_count_decode_only_iterations():
     """An iteration's time arrives with the next one and counts for its tier and bucket only
     when it ran a decode cycle and nothing else, after an iteration that ran one at the same
-    tier and bucket; a moving average (1/4 for a new time)."""
+    tier and bucket; the median of the latest TIME_SAMPLES."""
     tiers = AdaptiveTiers(3, CostModel(TIERS))
     figures = _report(0.71, 20)  # bucket 32
     tiers.next_tier(figures)
@@ -273,17 +274,17 @@ def test_cycle_times_count_decode_only_iterations():
     tiers.next_tier(figures)
     assert tiers.timed == (3, 32)
     tiers.next_tier(figures, cycle_us=1200)
-    assert tiers.times == {(3, 32): CycleTime(1200, 2)}
+    assert tiers.times == {(3, 32): CycleTime((1200,), 2)}
     tiers.next_tier(figures, cycle_us=2000, decode_only=False)  # this one also prefills
-    assert tiers.times[3, 32].us == 1400
+    assert tiers.times[3, 32].samples == (1200, 2000)
     tiers.next_tier(figures, cycle_us=9999)  # the prefilling iteration's time: not counted
-    assert tiers.times[3, 32].us == 1400 and tiers.timed is None  # nor this one's (after a prefill)
+    assert tiers.times[3, 32].samples == (1200, 2000) and tiers.timed is None  # nor this one's (after a prefill)
     tiers.next_tier(figures, cycle_us=8888)
-    tiers.next_tier([RankFigures(NO_TRIALS, 0)], cycle_us=1000)  # counted; no decode cycle now
-    assert tiers.times[3, 32].us == 1300 and tiers.timed is None
+    tiers.next_tier([RankFigures(NO_TRIALS, 0)], cycle_us=1100)  # counted; no decode cycle now
+    assert tiers.times[3, 32].samples == (1200, 2000, 1100) and tiers.timed is None
     tiers.next_tier(figures, cycle_us=5000)  # after an iteration without decode cycles: nothing
-    assert tiers.times[3, 32].us == 1300
-    assert tiers.internal_state()["spec_tier_cycle_us"] == {"3/32": 1300}
+    assert tiers.times[3, 32].us == 1200
+    assert tiers.internal_state()["spec_tier_cycle_us"] == {"3/32": 1200}
     tiers.reset()
     assert tiers.times == {} and tiers.timed is None and tiers.last_key is None
 
@@ -300,7 +301,21 @@ def test_cycle_times_skip_the_first_iteration_of_a_tier():
     assert counted == [None, (3, 32), None, (5, 32)] * 2
     tiers.next_tier(figures, cycle_us=2000)
     # Times of iterations 1 and 5 (3 steps: 1002, 1006), 3 and 7 (5 steps: 1004, 2000).
-    assert tiers.times == {(3, 32): CycleTime(1002 + (4 >> 2), 6), (5, 32): CycleTime(1004 + (996 >> 2), 8)}
+    assert tiers.times == {(3, 32): CycleTime((1002, 1006), 6), (5, 32): CycleTime((1004, 2000), 8)}
+    assert (tiers.times[3, 32].us, tiers.times[5, 32].us) == (1002, 1004)
+
+
+def test_a_slow_iteration_does_not_move_the_cycle_time():
+    """The median of the latest TIME_SAMPLES: one iteration of 50x the others (a garbage
+    collection, a kernel's first use) leaves the tier's time as it was; the oldest samples go."""
+    tiers = AdaptiveTiers(3, FixedSchedule(((3, 1),)))
+    figures = _report(0.71, 1)
+    for us in [0, 0, 1000, 1010, 990, 50_000, 1005, 995]:
+        tiers.next_tier(figures, cycle_us=us)
+    assert tiers.times[3, 1].us == 1000
+    for _ in range(TIME_SAMPLES + 1):  # a time counts with the next iteration: the last one waits
+        tiers.next_tier(figures, cycle_us=1100)
+    assert tiers.times[3, 1].samples == (1100,) * TIME_SAMPLES
 
 
 def _gathered(locals_: list[LocalPlan]) -> GlobalPlan:

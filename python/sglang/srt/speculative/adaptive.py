@@ -31,8 +31,11 @@ fewer than `MIN_POSITION_TRIALS` trials takes the rate of the position before it
 
 cost(s) is measured: the wall time of an iteration that ran a decode cycle and nothing else
 (start to next start), after one that did the same at the same tier and bucket (with overlap
-scheduling an iteration mostly waits for the previous one's cycle), a moving average per tier
-and batch bucket (the power of two at or above b), kept in `CycleTimes`. A tier not yet
+scheduling an iteration mostly waits for the previous one's cycle), the median of the latest
+`TIME_SAMPLES` per tier and batch bucket (the power of two at or above b), kept in
+`CycleTimes`: a median, because one iteration now and then takes many times the others (a
+garbage collection, a first use of a kernel), and an average would carry such a time into
+every decision until many more iterations at that tier wash it out. A tier not yet
 measured at the bucket is estimated from the nearest measured tier through the prior cost
 1 + s * (draft_cost + verify_cost * b) plain steps (their ratio); with nothing measured at the
 bucket the prior alone decides. Once the current tier is measured, a neighbouring tier (one
@@ -65,7 +68,7 @@ POSITION_MEMORY = 128  # a position's new trial weighs 1 / (POSITION_MEMORY + 1)
 RECORD_ONE = 1 << 8  # one trial in a PositionRecord's fixed-point counts
 MIN_POSITION_TRIALS = 32  # a position with fewer trials on record takes the rate of the one before
 ALPHA_ONE = 1 << 20  # alpha = 1 in the decision's fixed-point arithmetic
-TIME_AVERAGE_SHIFT = 2  # a new cycle time weighs 1 / 4 in its moving average
+TIME_SAMPLES = 8  # the cycle times a tier's median at a bucket is taken over
 
 
 def batch_bucket(batch: int) -> int:
@@ -75,10 +78,16 @@ def batch_bucket(batch: int) -> int:
 
 @dataclass(frozen=True)
 class CycleTime:
-    """The moving average of a tier's decode iterations at one batch bucket."""
+    """The latest wall times of a tier's decode iterations at one batch bucket."""
 
-    us: int  # wall time from an iteration's start to the next one's, microseconds
+    samples: tuple[int, ...]  # from an iteration's start to the next one's (us), the oldest first
     cycle: int  # TierState.cycles when it was last measured
+
+    @property
+    def us(self) -> int:
+        """The median (the lower middle one of an even count)."""
+        ordered = sorted(self.samples)
+        return ordered[(len(ordered) - 1) // 2]
 
 
 CycleTimes = Mapping[tuple[int, int], CycleTime]  # (steps, batch bucket) -> time
@@ -403,8 +412,8 @@ class AdaptiveTiers:
 
     def _record_time(self, steps: int, bucket: int, us: int) -> None:
         old = self.times.get((steps, bucket))
-        average = us if old is None else old.us + ((us - old.us) >> TIME_AVERAGE_SHIFT)
-        self.times[steps, bucket] = CycleTime(average, self.state.cycles)
+        samples = (() if old is None else old.samples[1 - TIME_SAMPLES :]) + (us,)
+        self.times[steps, bucket] = CycleTime(samples, self.state.cycles)
 
     # ------------------------------------------------------------------ reports
     def log_text(self) -> str:
