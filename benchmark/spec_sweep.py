@@ -95,7 +95,7 @@ def tier_cycles(base_url: str) -> dict[int, int]:
 def print_tier_state(base_url: str) -> None:
     """An adaptive server's measured cycle time and accept length per tier, per DP rank (JSON lines)."""
     for rank, state in enumerate(internal_states(base_url)):
-        keys = ("spec_tier_cycles", "spec_tier_accept_length", "spec_tier_cycle_us")
+        keys = ("spec_tier_cycles", "spec_tier_accept_length", "spec_tier_cycle_us", "spec_position_accept_rate")
         print(json.dumps({"dp_rank": rank, **{k: state.get(k) for k in keys}}), flush=True)
 
 

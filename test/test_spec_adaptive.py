@@ -137,6 +137,9 @@ def test_each_positions_rate_decides_and_is_kept():
     # Positions 2 and 3 are accepted often, 4 and 5 rarely: 3 steps (one rate over the later
     # positions, 0.55, would pick 1 step; the 0.8 of positions 2 and 3 alone, 5 steps).
     assert model.decide(_state(3, (0.9, 0.8, 0.8, 0.3, 0.3)), 1, {}) == 3
+    tiers = AdaptiveTiers(3, model)
+    tiers.next_tier(_report((0.9, 0.8, 0.8, 0.3, 0.3), 1))
+    assert tiers.internal_state()["spec_position_accept_rate"] == [0.9, 0.8, 0.8, 0.3, 0.3]
 
 
 def test_position_records_weigh_recent_trials():
@@ -214,6 +217,7 @@ def test_trials_are_counted_per_position_and_reported_once():
     tiers.observe(5, [0])
     assert tiers.local_figures(4) == [RankFigures((Trials(2, 1), n, n, n, n), 4)]
     assert tiers.total.accept_lengths() == {1: 2.0, 3: 8 / 3, 5: 1.0}
+    assert tiers.internal_state()["spec_position_accept_rate"] == []  # no report absorbed yet
     assert tiers.internal_state()["spec_tier_cycles"] == {"1": 1, "3": 1, "5": 2}
     # Reports count once, also those of an iteration without a batch on any rank.
     tiers.next_tier(_report(0.5, 0, trials=10))

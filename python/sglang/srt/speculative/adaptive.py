@@ -428,4 +428,8 @@ class AdaptiveTiers:
             "spec_tier_cycles": {str(s): n for s, n in sorted(self.total.cycles.items())},
             "spec_tier_accept_length": {str(s): a for s, a in self.total.accept_lengths().items()},
             "spec_tier_cycle_us": {f"{s}/{b}": t.us for (s, b), t in sorted(self.times.items())},
+            # Per draft position: accepted / tried given the ones before it were accepted (None: too few trials).
+            "spec_position_accept_rate": [
+                None if (rate := r.rate()) is None else round(rate / ALPHA_ONE, 4) for r in self.state.records
+            ],
         }
