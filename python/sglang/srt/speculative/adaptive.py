@@ -10,8 +10,11 @@ and the decode batch of every rank. The tier state keeps per position a record o
 (`PositionRecord`): each new trial weighs as much as the `POSITION_MEMORY` trials before it
 together, so the record follows the latest hundred or so trials of that position, however many
 cycles they took (at batch 1 a window of 16 cycles would estimate a rate near 0.9 to about
-0.08, too coarse to rank tiers a few percent apart), and a position that no cycle tries (cycles
-at 1 step try only the first) keeps its record. a_d, position d's accepted / trials, is the
+0.08, too coarse to rank tiers a few percent apart). A position that no cycle reaches (cycles
+at 1 step try only the first) keeps its record but lets it fade `STALE_FADE` times slower, by
+the first position's trials: kept as it was, a record taken on a stretch hard for the draft
+would hold the tier low after the stretch ends; faded below `MIN_POSITION_TRIALS` it gives way
+to the rate of the position before it, and the longer chains are tried again. a_d, position d's accepted / trials, is the
 chance that a cycle's d-th draft is accepted given the ones before it were, whatever tiers the
 cycles ran at. The positions differ (the first is usually the likeliest): one rate pooled over
 the positions that recent cycles happened to reach would make longer chains look best after
@@ -66,6 +69,7 @@ from sglang.srt.distributed.scheduler_comm import GlobalPlan
 
 POSITION_MEMORY = 128  # a position's new trial weighs 1 / (POSITION_MEMORY + 1) of its record
 RECORD_ONE = 1 << 8  # one trial in a PositionRecord's fixed-point counts
+STALE_FADE = 4  # see PositionRecord.fade
 MIN_POSITION_TRIALS = 32  # a position with fewer trials on record takes the rate of the one before
 ALPHA_ONE = 1 << 20  # alpha = 1 in the decision's fixed-point arithmetic
 TIME_SAMPLES = 8  # the cycle times a tier's median at a bucket is taken over
@@ -142,6 +146,12 @@ class PositionRecord:
             self.accepted * kept // total + new.accepted * RECORD_ONE, self.trials * kept // total + new.count * RECORD_ONE
         )
 
+    def fade(self, first_trials: int) -> PositionRecord:
+        """A position that cycles did not reach while the first position had `first_trials`
+        trials: its counts lose weight STALE_FADE times slower than by trials of its own."""
+        kept = POSITION_MEMORY * STALE_FADE
+        return PositionRecord(self.accepted * kept // (kept + first_trials), self.trials * kept // (kept + first_trials))
+
     def rate(self, min_trials: int = MIN_POSITION_TRIALS) -> Optional[int]:
         """accepted / trials in units of 1 / ALPHA_ONE, or None below min_trials trials (at least 1)."""
         return self.accepted * ALPHA_ONE // self.trials if self.trials >= max(min_trials, 1) * RECORD_ONE else None
@@ -182,7 +192,8 @@ class TierState:
             return self
         new = summed([f.trials for f in figures], len(figures[0].trials))
         records = self.records or (PositionRecord(),) * len(new)
-        return replace(self, records=tuple(r.add(t) for r, t in zip(records, new)))
+        first = new[0].count
+        return replace(self, records=tuple(r.add(t) if t.count else r.fade(first) for r, t in zip(records, new)))
 
     def rates(self) -> list[int]:
         """Per position its rate; a later one with too few trials takes the one before it's.
