@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang.srt.batch.forward_batch_info import ForwardMode
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -82,3 +83,28 @@ def test_greedy_speculative_decode_cycle_reads_the_device_once(tiny_llama_dir, t
     assert _reads_outside_reference_attention(c) == STEPS, c.sites
     assert c.reads == STEPS or overlap, c.sites
     assert c.uploads + c.transfers <= 5 * STEPS, c.sites
+
+
+def test_speculative_prefill_is_queued_without_reading_the_device(tiny_llama_dir, tiny_llama_eagle_head_dir):
+    """The target's prefill, its sampling and the draft's extend are queued without a read: the
+    sampled tokens reach the draft's input on the device, and the host in the next iteration
+    (overlap scheduling), which reads them once."""
+    spec = dict(
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=tiny_llama_eagle_head_dir,
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+    )
+    scheduler = start_scheduler(_args(tiny_llama_dir, **spec))
+    for i in range(3):
+        params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+        scheduler.handle_message(TokenizedGenerateReqInput(f"r{i}", None, [5 + i, 17, 42, 99, 7], params))
+    with SyncCounter(trace=True) as launching:
+        scheduler.run_iteration()
+    assert scheduler.in_flight is not None and scheduler.in_flight[0].mode == ForwardMode.EXTEND
+    assert _reads_outside_reference_attention(launching) == 0, launching.sites
+    with SyncCounter(trace=True) as resolving:
+        scheduler.run_iteration()
+    assert _reads_outside_reference_attention(resolving) == 1, resolving.sites
+    assert all(len(r.output_ids) == 1 for r in scheduler.running)

@@ -218,7 +218,7 @@ class EAGLEWorker:
         self.trace = []
         step: Union[LaunchedStep, LaunchedCycle] = LaunchedStep(GenerationResult([], []))
         if batch.mode == ForwardMode.EXTEND:
-            step = LaunchedStep(self.forward_extend(batch, it))
+            step = self.forward_extend(batch, it)
         else:
             self._idle(it, it.extend_phase())
         if batch.mode == ForwardMode.DECODE:
@@ -288,28 +288,36 @@ class EAGLEWorker:
             self._forward(runner, fb, kind, it)
 
     # ------------------------------------------------------------------ prefill
-    def forward_extend(self, batch: ScheduleBatch, it: SpecIterationPlan) -> GenerationResult:
+    def forward_extend(self, batch: ScheduleBatch, it: SpecIterationPlan) -> LaunchedStep:
+        """Queues the target's prefill, its sampling and the draft's extend; nothing waits for
+        the device (the sampled tokens reach the draft on the device, the host in resolve())."""
         fb = batch.to_forward_batch(self.device)
         fb.capture_hidden_mode = CaptureHiddenMode.FULL
         out = self._forward(self.target.runner, fb, SubForward.TARGET_EXTEND, it)
         ready = [i for i, r in enumerate(batch.reqs) if r.kv_len + batch.extend_lens[i] == r.seq_len]
         result = GenerationResult([[] for _ in batch.reqs], list(batch.extend_lens))
         input_logprobs = InputLogprobs.launch(batch, out)  # the prompt's logprobs are the target's
-        sampled = self.target.sample_rows(batch.reqs, ready, out, result) if ready else None
-        if input_logprobs is not None:
-            input_logprobs.fill(result)
-        # Draft sees every chunk: ids shifted left by one, then the next token (prompt or sampled).
+        sampled = self.target.launch_sampling(batch.reqs, ready, out) if ready else None
+        # Draft sees every chunk: ids shifted left by one, then the next token: the prompt's, or
+        # for a request whose prompt ends here the sampled one, put in its place on the device.
         # A NaN_TOKEN_ID (--enable-nan-detection: non-finite logits) is no embedding row: the
         # draft reads token 0 in its place; the scheduler finishes that request with its error.
         ids: list[int] = []
+        sampled_at: list[int] = []  # the rows of ids that take the sampled tokens, in `ready` order
+        ready_rows = set(ready)
         for i, req in enumerate(batch.reqs):
             start, end = batch.prefix_lens[i], batch.seq_lens[i]
-            nxt = req.all_ids[end] if end < req.seq_len else max(result.next_token_ids[i][0], 0)
-            ids += req.all_ids[start + 1 : end] + [nxt]
+            ids += req.all_ids[start + 1 : end]
+            if i in ready_rows:
+                sampled_at.append(len(ids))
+            ids.append(0 if i in ready_rows else req.all_ids[end])
+        draft_ids, sampled_rows = upload([ids, sampled_at], self.device)
+        if sampled is not None:
+            draft_ids.index_copy_(0, sampled_rows, sampled.out.next_token_ids.clamp(min=0))
         draft_fb = replace(
             fb,
             mode=ForwardMode.DRAFT_EXTEND,
-            input_ids=upload([ids], self.device)[0],
+            input_ids=draft_ids,
             capture_hidden_mode=CaptureHiddenMode.LAST,
             spec_info=SpecInput(out.hidden_states),
             input_logprob_rows=None,
@@ -319,12 +327,12 @@ class EAGLEWorker:
             reqs = [batch.reqs[i] for i in ready]
             req_rows, kv_lens, out_rows = upload([[r.req_pool_idx for r in reqs], [r.seq_len for r in reqs], ready], self.device)
             self.states.kv_lens.index_copy_(0, req_rows, kv_lens)
-            self.states.last_tokens.index_copy_(0, req_rows, sampled.next_token_ids.clamp(min=0))
+            self.states.last_tokens.index_copy_(0, req_rows, sampled.out.next_token_ids.clamp(min=0))
             logits, hidden = draft_out.next_token_logits, draft_out.hidden_states
             if len(ready) < logits.shape[0]:  # else the rows are all rows, in order
                 logits, hidden = logits[out_rows], hidden[out_rows]
             self.states.store_draft(req_rows, *top_guesses(logits, self.topk, self.draft_columns), hidden)
-        return result
+        return LaunchedStep(result, sampled, input_logprobs)
 
     # ------------------------------------------------------------------ decode cycle
     def launch_decode(self, batch: ScheduleBatch, it: SpecIterationPlan) -> LaunchedCycle:
