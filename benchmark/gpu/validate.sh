@@ -106,6 +106,19 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
       -- --cuda-graph-max-bs 32 ${SWEEP_FLAGS:-}
     grep -A12 '^| steps' "$out/nextn_sweep${SWEEP_LABEL:-}.log" | tee -a "$out/summary.log"
     ;;
+  serving-profile)  # the trained DeepSeek served at concurrency 32, plain and NEXTN 3/1/4, under the
+    # profiler: device busy time and idle gaps per iteration while serving (issue 26)
+    [ -d "$models/deepseek-v3-mtp" ] || step train_deepseek 200 python3 -m sglang.tools.train_tiny_models --out "$models" \
+      --device cuda --minutes "${MINUTES:-0.6}" --models deepseek
+    for variant in plain nextn; do
+      spec=""; [ "$variant" = nextn ] && spec=$nextn_3_1_4
+      # shellcheck disable=SC2086
+      step "serving_profile_$variant" 200 python3 benchmark/profile_serving.py --model-path "$models/deepseek-v3-mtp" \
+        --delay 1.0 --num-steps 200 --output-dir "$out/serving_profile_$variant" --dataset-name file \
+        --dataset-path "$models/heldout_prompts.jsonl" --num-prompts 256 --random-output-len 256 --max-concurrency 32 \
+        -- --cuda-graph-max-bs 32 --enable-piecewise-cuda-graph $spec
+    done
+    ;;
   graphs)  # one GPU: CUDA graphs for plain decode and for every speculative sub-forward
     nextn=$nextn_3_1_4
     step graph_tests 300 python3 -m pytest -q -x test/test_cuda_graph_keys.py test/test_cuda_graph_replay.py \
@@ -146,6 +159,6 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     step collectives_nccl 150 python3 benchmark/kernels/bench_collectives.py --world "${WORLD:-2}" --gpu-id-step 1 \
       --jsonl "$out/collectives.jsonl"
     ;;
-  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|graphs|prefill-graphs|shared-gpu|collectives"; exit 2 ;;
+  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|serving-profile|graphs|prefill-graphs|shared-gpu|collectives"; exit 2 ;;
 esac
 done
