@@ -14,9 +14,9 @@ cycles they took (at batch 1 a window of 16 cycles would estimate a rate near 0.
 at 1 step try only the first) keeps its record but lets it fade `STALE_FADE` times slower, by
 the first position's trials: kept as it was, a record taken on a stretch hard for the draft
 would hold the tier low after the stretch ends; faded below `MIN_POSITION_TRIALS` it gives way
-to the rate of the position before it, and the longer chains are tried again. a_d, position d's accepted / trials, is the
-chance that a cycle's d-th draft is accepted given the ones before it were, whatever tiers the
-cycles ran at. The positions differ (the first is usually the likeliest): one rate pooled over
+to the rate of the position before it, and the longer chains are tried again. a_d, position
+d's accepted / trials, is the chance that a cycle's d-th draft is accepted given the ones
+before it were, whatever tiers the cycles ran at. The positions differ (the first is usually the likeliest): one rate pooled over
 the positions that recent cycles happened to reach would make longer chains look best after
 short cycles and shorter ones after long cycles, and the tier would alternate.
 
@@ -56,7 +56,7 @@ plan and every rank takes the largest; within a DP group the entry rank sends it
 the requests it broadcasts to its attention-TP peers. Ranks of one DP group without DP
 attention (TP only) hold the same batch and get the same accept lengths (the logits are
 gathered before the argmax; sampled acceptance is agreed from attention-TP rank 0), so their
-windows, and their decisions, are the same too.
+reports, and their decisions, are the same too.
 """
 
 from __future__ import annotations
