@@ -57,6 +57,17 @@ def test_plain_decode_iteration_reads_the_device_once(tiny_llama_dir, batch_size
     assert c.uploads + c.transfers == STEPS, c.sites
 
 
+def _eagle(head_dir: str, topk: int) -> dict:
+    """EAGLE with 3 steps and 4 draft tokens (a chain at topk 1, a tree above)."""
+    return dict(
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=head_dir,
+        speculative_num_steps=3,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=4,
+    )
+
+
 def _reads_outside_reference_attention(c: SyncCounter) -> int:
     """Under overlap a speculative cycle is queued with upper bounds of its KV lengths on the
     host; the plain-PyTorch reference backend (CPU) then reads the exact ones, the Triton
@@ -71,14 +82,7 @@ def test_greedy_speculative_decode_cycle_reads_the_device_once(tiny_llama_dir, t
     last forward (one wait on a GPU; with overlap scheduling, after the next cycle is queued).
     Uploads, whatever the batch size: the table rows, the draft loop's scratch and the
     verify's slots into the table; and the allocator's host copies of the slots it frees."""
-    spec = dict(
-        speculative_algorithm="EAGLE",
-        speculative_draft_model_path=tiny_llama_eagle_head_dir,
-        speculative_num_steps=3,
-        speculative_eagle_topk=2,
-        speculative_num_draft_tokens=4,
-    )
-    args = _args(tiny_llama_dir, disable_overlap_schedule=not overlap, **spec)
+    args = _args(tiny_llama_dir, disable_overlap_schedule=not overlap, **_eagle(tiny_llama_eagle_head_dir, topk=2))
     c = _decode_crossings(start_scheduler(args), batch_size)
     assert _reads_outside_reference_attention(c) == STEPS, c.sites
     assert c.reads == STEPS or overlap, c.sites
@@ -89,14 +93,7 @@ def test_speculative_prefill_is_queued_without_reading_the_device(tiny_llama_dir
     """The target's prefill, its sampling and the draft's extend are queued without a read: the
     sampled tokens reach the draft's input on the device, and the host in the next iteration
     (overlap scheduling), which reads them once."""
-    spec = dict(
-        speculative_algorithm="EAGLE",
-        speculative_draft_model_path=tiny_llama_eagle_head_dir,
-        speculative_num_steps=3,
-        speculative_eagle_topk=1,
-        speculative_num_draft_tokens=4,
-    )
-    scheduler = start_scheduler(_args(tiny_llama_dir, **spec))
+    scheduler = start_scheduler(_args(tiny_llama_dir, **_eagle(tiny_llama_eagle_head_dir, topk=1)))
     for i in range(3):
         params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
         scheduler.handle_message(TokenizedGenerateReqInput(f"r{i}", None, [5 + i, 17, 42, 99, 7], params))
