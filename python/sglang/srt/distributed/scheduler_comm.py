@@ -50,13 +50,17 @@ class LocalPlan:
     # verify cycles (speculative/adaptive.py); the same length on every rank. Packed last.
     spec_trials: tuple[int, ...] = ()
 
+    @classmethod
+    def scalar_names(cls) -> list[str]:
+        """The one-int fields, packed first in declaration order."""
+        return [f.name for f in dataclasses.fields(cls) if f.name != "spec_trials"]
+
     def pack(self) -> list[int]:
-        scalars = [getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "spec_trials"]
-        return scalars + list(self.spec_trials)
+        return [getattr(self, name) for name in self.scalar_names()] + list(self.spec_trials)
 
     @classmethod
     def unpack(cls, ints: list[int]) -> LocalPlan:
-        names = [f.name for f in dataclasses.fields(cls) if f.name != "spec_trials"]
+        names = cls.scalar_names()
         return cls(**dict(zip(names, ints)), spec_trials=tuple(ints[len(names) :]))
 
 

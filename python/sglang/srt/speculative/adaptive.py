@@ -389,10 +389,12 @@ class AdaptiveTiers:
     # ------------------------------------------------------------------ decision
     def preview(self, figures: Sequence[RankFigures]) -> int:
         """The tier the next decode cycle runs at with these reports (nothing changes)."""
+        return self._decide(self.state.with_trials(figures), figures)
+
+    def _decide(self, state: TierState, figures: Sequence[RankFigures]) -> int:
+        """The policy's tier from `state` (the reports already in it); without decode cycles the tier stays."""
         batch = max((f.decode_reqs for f in figures), default=0)
-        if not batch:
-            return self.state.steps
-        return self.policy.decide(self.state.with_trials(figures), batch, self.times)
+        return self.policy.decide(state, batch, self.times) if batch else state.steps
 
     def absorb(self, figures: Sequence[RankFigures]) -> None:
         """Reports of an iteration in which no rank runs a batch: their trials count all the same."""
@@ -405,8 +407,8 @@ class AdaptiveTiers:
         when that iteration ran a decode cycle and nothing else; decode_only: whether this one does."""
         if self.timed is not None and cycle_us > 0:
             self._record_time(*self.timed, cycle_us)
-        steps = self.preview(figures)
         state = self.state.with_trials(figures)
+        steps = self._decide(state, figures)
         key = None
         batch = max((f.decode_reqs for f in figures), default=0)
         if batch:

@@ -28,7 +28,7 @@ def load_token_map(path: str, vocab_size: int, topk: int) -> torch.Tensor:
     if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise ValueError(f"{FLAG} {path}: expected a 1-D list of integer token ids, got {ids.dtype} of shape {tuple(ids.shape)}")
     ids = ids.to(torch.int64)
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):  # an empty map fails below
         raise ValueError(f"{FLAG} {path}: token ids must be in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
     if torch.unique(ids).numel() != ids.numel():
         raise ValueError(f"{FLAG} {path}: token ids repeat")
