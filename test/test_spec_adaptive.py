@@ -259,6 +259,22 @@ def test_trials_are_counted_per_position_and_reported_once():
     assert tiers.state.records[0].trials == 10 * RECORD_ONE * POSITION_MEMORY // (POSITION_MEMORY + 10) + 10 * RECORD_ONE
 
 
+def test_log_line_shows_usage_rates_and_times():
+    """The decode log line's part: cycles per tier since the previous line, each position's
+    rate on record (- below MIN_POSITION_TRIALS) and the cycle times at the latest bucket."""
+    tiers = AdaptiveTiers(3, CostModel(TIERS))
+    assert tiers.log_text() == "tier cycles: , position rates: -, cycle us at batch <= 1: -, "
+    accepted = Trials(3 * MIN_POSITION_TRIALS, MIN_POSITION_TRIALS)
+    tiers.next_tier([RankFigures((accepted, Trials(1, 1), *NO_TRIALS[2:]), 20)])
+    tiers.next_tier(_report(0.5, 20, trials=0), 900)
+    tiers.next_tier(_report(0.5, 20, trials=0), 1100)
+    tiers.times[1, 1] = CycleTime((700,), 0)  # another bucket's time is left out
+    assert tiers.log_text() == "tier cycles: , position rates: 0.75 - - - -, cycle us at batch <= 32: 3:1100, "
+    tiers.observe(3, [1, 2])
+    assert tiers.log_text().startswith("tier cycles: 3:1, ")
+    assert tiers.log_text().startswith("tier cycles: , ")
+
+
 def test_measured_cycle_times_decide_over_the_prior():
     """Where tiers are measured at the batch's bucket their times decide: at batch 32, where the
     prior picks 1 step, a 3-step cycle measured at 1.3x a 1-step one wins; at batch 1, where

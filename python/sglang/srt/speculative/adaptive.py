@@ -349,6 +349,7 @@ class AdaptiveTiers:
         # The key the next agreed time counts for: the latest iteration's, when the one before
         # it had the same key (see next_tier).
         self.timed: Optional[tuple[int, int]] = None
+        self.bucket = 1  # the batch bucket of the latest decode cycle
         self.total, self.since_log = TierCounts(), TierCounts()
 
     @classmethod
@@ -363,6 +364,7 @@ class AdaptiveTiers:
         self.state = TierState(self.start)
         self.times.clear()
         self.last_key = self.timed = None
+        self.bucket = 1
         self.total, self.since_log = TierCounts(), TierCounts()
 
     # ------------------------------------------------------------------ figures
@@ -412,6 +414,7 @@ class AdaptiveTiers:
         key = None
         batch = max((f.decode_reqs for f in figures), default=0)
         if batch:
+            self.bucket = batch_bucket(batch)
             held = state.held + 1 if steps == state.steps else 1
             state = replace(state, steps=steps, held=held, cycles=state.cycles + 1)
             if decode_only:
@@ -430,9 +433,21 @@ class AdaptiveTiers:
 
     # ------------------------------------------------------------------ reports
     def log_text(self) -> str:
-        """The decode log line's part: cycles per tier since the previous line."""
+        """The decode log line's part: cycles per tier since the previous line, and what the
+        decision weighs: each draft position's rate (- while it has too few trials) and the
+        measured cycle times (us) of the tiers at the latest cycle's batch bucket."""
         counts, self.since_log = self.since_log, TierCounts()
-        return "tier cycles: " + " ".join(f"{s}:{n}" for s, n in sorted(counts.cycles.items())) + ", "
+        rates = " ".join("-" if r is None else f"{r:.2f}" for r in self.position_rates())
+        times = " ".join(f"{s}:{t.us}" for (s, b), t in sorted(self.times.items()) if b == self.bucket)
+        return (
+            "tier cycles: "
+            + " ".join(f"{s}:{n}" for s, n in sorted(counts.cycles.items()))
+            + f", position rates: {rates or '-'}, cycle us at batch <= {self.bucket}: {times or '-'}, "
+        )
+
+    def position_rates(self) -> list[Optional[float]]:
+        """Per draft position the rate on record (None: too few trials)."""
+        return [None if (rate := r.rate()) is None else rate / ALPHA_ONE for r in self.state.records]
 
     def internal_state(self) -> dict:
         """Since startup (JSON keys: the tiers' steps as strings; cycle times "steps/bucket")."""
@@ -442,7 +457,5 @@ class AdaptiveTiers:
             "spec_tier_accept_length": {str(s): a for s, a in self.total.accept_lengths().items()},
             "spec_tier_cycle_us": {f"{s}/{b}": t.us for (s, b), t in sorted(self.times.items())},
             # Per draft position: accepted / tried given the ones before it were accepted (None: too few trials).
-            "spec_position_accept_rate": [
-                None if (rate := r.rate()) is None else round(rate / ALPHA_ONE, 4) for r in self.state.records
-            ],
+            "spec_position_accept_rate": [None if r is None else round(r, 4) for r in self.position_rates()],
         }
