@@ -111,10 +111,15 @@ def table(rows: list[tuple[Variant, dict[str, Any]]]) -> str:
         flags = f"`{shlex.join(variant.flags)}`" if variant.flags else "-"
         lines.append(
             f"| {variant.name} | {flags} | {throughput_text(m)} | {m['mean_ttft_ms']:.1f} | "
-            f"{m['median_itl_ms']:.2f} | {m['p99_itl_ms']:.2f} | {m['median_tpot_ms']:.2f} | {m['prefill_batches']} | "
+            f"{_ms(m, 'median_itl_ms')} | {_ms(m, 'p99_itl_ms')} | {_ms(m, 'median_tpot_ms')} | {m['prefill_batches']} | "
             f"{m['mixed_prefill_batches']} | {m['stalled_iteration_fraction']:.2f} |"
         )
     return "\n".join(lines)
+
+
+def _ms(m: dict[str, Any], key: str) -> str:
+    """A latency of the pass, or - where it has none (one output token: no gaps between tokens)."""
+    return f"{m[key]:.2f}" if key in m else "-"
 
 
 def main(argv: Optional[list[str]] = None) -> str:

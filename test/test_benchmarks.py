@@ -463,6 +463,11 @@ def test_flag_ab_table_from_the_median_rounds():
         lines[3] == "| mixed | `--enable-mixed-chunk` | 130.0 (130-140) | 42.0 | 7.69 | 23.08 | 8.46 | 40 | 29 | 0.12 |"
     )  # lower middle
     assert "(" not in ab.table([(ab.Variant("one", ()), ab.median_pass(plain[:1]))]).splitlines()[2]
+    # One output token per request (a TTFT A/B): no ITL or TPOT.
+    ttft_only = {k: v for k, v in plain[0].items() if k not in ("median_itl_ms", "p99_itl_ms", "median_tpot_ms")}
+    assert (
+        ab.table([(ab.Variant("one", ()), ttft_only)]).splitlines()[2] == "| one | - | 100.0 | 50.0 | - | - | - | 40 | 0 | 0.30 |"
+    )
 
 
 def test_flag_ab_runs_two_servers(tiny_llama_unsharded_dir, tmp_path):
