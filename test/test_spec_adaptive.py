@@ -317,6 +317,21 @@ def test_neighbouring_tiers_are_measured_then_remeasured():
     assert model.decide(_state(3, 0.71, held=100, cycles=later), 32, times) == 1
 
 
+def test_a_neighbour_timed_out_of_order_is_measured_again():
+    """A neighbour whose time contradicts the current tier's (fewer steps yet dearer, or more
+    yet cheaper) was timed in another state of the machine: it is measured again once older
+    than recheck_after cycles, long before explore_every; times in order are kept."""
+    model = CostModel(TIERS)
+    fresh = model.recheck_after + 10
+    stale_three = {(3, 32): CycleTime((2500,), 0), (5, 32): CycleTime((2200,), fresh)}
+    assert model.decide(_state(5, 0.71, held=100, cycles=fresh), 32, stale_three) == 3
+    assert model.to_measure(_state(5, 0.71, held=100, cycles=model.recheck_after), 32, stale_three) is None
+    stale_one = {(1, 32): CycleTime((1900,), 0), (3, 32): CycleTime((1800,), fresh), (5, 32): CycleTime((2600,), fresh)}
+    assert model.to_measure(_state(3, 0.71, held=100, cycles=fresh), 32, stale_one) == 1
+    in_order = {(1, 32): CycleTime((1500,), 0), (3, 32): CycleTime((1800,), fresh), (5, 32): CycleTime((2600,), 0)}
+    assert model.to_measure(_state(3, 0.71, held=100, cycles=fresh), 32, in_order) is None
+
+
 def test_cycle_times_count_decode_only_iterations():
     """An iteration's time arrives with the next one and counts for its tier and bucket only
     when it ran a decode cycle and nothing else, after an iteration that ran one at the same

@@ -43,7 +43,9 @@ measured at the bucket is estimated from the nearest measured tier through the p
 1 + s * (draft_cost + verify_cost * b) plain steps (their ratio); with nothing measured at the
 bucket the prior alone decides. Once the current tier is measured, a neighbouring tier (one
 tier up or down) that is not, or whose measurement is older than `explore_every` decode
-cycles, is run for `min_dwell` cycles to measure it: the prior only orders tiers until they
+cycles, or older than `recheck_after` and out of order against the current tier's (more steps
+yet cheaper, or fewer yet dearer: timed in another state of the machine), is run for
+`min_dwell` cycles to measure it: the prior only orders tiers until they
 are measured, so a machine or a model where it is wrong (prefills that are cheap or dear, a
 dense or a MoE target) still ends at its best tier.
 
@@ -231,6 +233,7 @@ class CostModel:
     min_dwell: int = 8
     min_trials: int = MIN_POSITION_TRIALS
     explore_every: int = 2048
+    recheck_after: int = 64
 
     @property
     def depths(self) -> int:
@@ -266,15 +269,22 @@ class CostModel:
         return costs
 
     def to_measure(self, state: TierState, batch: int, times: CycleTimes) -> Optional[int]:
-        """A neighbour of the measured current tier whose time at this bucket is missing or
-        older than explore_every cycles (the lower first), or None."""
+        """A neighbour of the measured current tier whose time at this bucket is missing, older
+        than explore_every cycles, or older than recheck_after cycles and out of order against
+        the current tier's (more steps yet cheaper, or fewer yet dearer: a cycle of more steps
+        does strictly more work, so one of the two was timed in another state of the machine,
+        and the current one is fresh); the lower first; or None."""
         bucket = batch_bucket(batch)
-        if (state.steps, bucket) not in times:
+        current = times.get((state.steps, bucket))
+        if current is None:
             return None
         i = self.tiers.index(state.steps)
         for steps in self.tiers[max(i - 1, 0) : i + 2]:
             time = times.get((steps, bucket))
             if time is None or state.cycles - time.cycle > self.explore_every:
+                return steps
+            out_of_order = (steps - state.steps) * (time.us - current.us) < 0
+            if out_of_order and state.cycles - time.cycle > self.recheck_after:
                 return steps
         return None
 
