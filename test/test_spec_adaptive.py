@@ -165,21 +165,25 @@ def test_position_records_weigh_recent_trials():
     assert state.rates() == [_trials(0.8, 100).accepted * ALPHA_ONE // 100] * 5
 
 
-def _settle(rates: tuple[float, ...], cost_us: dict[int, int], cycles: int, seed: int) -> list[int]:
-    """One rank deciding `cycles` decode cycles at batch 1, position d of a chain accepted with
-    probability rates[d - 1] given the ones before it were, cycles costing these times: the
-    tier of every cycle."""
+def _served(steps: Optional[int], regimes: list[tuple[float, ...]], period: int, cost_us: dict[int, int], seed: int = 0):
+    """Tokens per ms of one request stream over 20,000 cycles whose position rates change to
+    the next of `regimes` every `period` cycles, at a fixed tier (`steps`) or adaptive, and the
+    cycles run at each tier."""
     rng = random.Random(seed)
     tiers = AdaptiveTiers(5, CostModel(TIERS))
-    chosen: list[int] = []
-    for _ in range(cycles):
-        steps = tiers.next_tier(tiers.local_figures(1), cost_us[chosen[-1]] if chosen else 0)
+    tokens = us = 0
+    previous = None
+    usage = dict.fromkeys(TIERS, 0)
+    for i in range(20_000):
+        rates = regimes[i // period % len(regimes)]
+        tier = steps or tiers.next_tier(tiers.local_figures(1), cost_us[previous] if previous else 0)
         accepted = 0
-        while accepted < steps and rng.random() < rates[accepted]:
+        while accepted < tier and rng.random() < rates[accepted]:
             accepted += 1
-        tiers.observe(steps, [accepted])
-        chosen.append(steps)
-    return chosen
+        tiers.observe(tier, [accepted])
+        tokens, us, previous = tokens + accepted + 1, us + cost_us[tier], tier
+        usage[tier] += 1
+    return 1000 * tokens / us, usage
 
 
 @pytest.mark.parametrize(
@@ -195,30 +199,13 @@ def _settle(rates: tuple[float, ...], cost_us: dict[int, int], cycles: int, seed
     ],
 )
 def test_a_draft_settles_on_its_best_tier(rates, cost_us):
-    """After measuring its neighbours the decision stays at the tier of the most tokens per
-    unit of time, but for short tries of the tier above when the records of the positions it
-    does not reach have faded."""
-    for seed in range(5):
-        chosen = _settle(rates, cost_us, 3000, seed)
-        assert chosen[500:].count(3) >= 0.9 * len(chosen[500:]), (seed, {s: chosen.count(s) for s in TIERS})
-
-
-def _served(steps: Optional[int], regimes: list[tuple[float, ...]], period: int, cost_us: dict[int, int]) -> float:
-    """Tokens per ms of one request stream over 20,000 cycles whose position rates change to
-    the next of `regimes` every `period` cycles, at a fixed tier (`steps`) or adaptive."""
-    rng = random.Random(0)
-    tiers = AdaptiveTiers(5, CostModel(TIERS))
-    tokens = us = 0
-    previous = None
-    for i in range(20_000):
-        rates = regimes[i // period % len(regimes)]
-        tier = steps or tiers.next_tier(tiers.local_figures(1), cost_us[previous] if previous else 0)
-        accepted = 0
-        while accepted < tier and rng.random() < rates[accepted]:
-            accepted += 1
-        tiers.observe(tier, [accepted])
-        tokens, us, previous = tokens + accepted + 1, us + cost_us[tier], tier
-    return 1000 * tokens / us
+    """At rates that do not change the decision runs mostly at the tier of the most tokens per
+    unit of time (its records, a few dozen trials each, now and then rank a neighbour a few
+    percent apart above it) and serves at least 0.97x the best fixed tier."""
+    best_fixed = max(_served(steps, [rates], 20_000, cost_us)[0] for steps in TIERS)
+    for seed in range(3):
+        served, usage = _served(None, [rates], 20_000, cost_us, seed)
+        assert max(usage, key=usage.get) == 3 and served >= 0.97 * best_fixed, (seed, served / best_fixed, usage)
 
 
 def test_a_draft_whose_acceptance_changes_is_followed():
@@ -229,8 +216,8 @@ def test_a_draft_whose_acceptance_changes_is_followed():
     they were, they held it at 1 step for 2,048 cycles)."""
     regimes = [(0.8, 0.75, 0.7, 0.7, 0.7), (0.55, 0.25, 0.4, 0.5, 0.5)]
     cost_us = {1: 731, 3: 917, 5: 1039}
-    best_fixed = max(_served(steps, regimes, 1000, cost_us) for steps in TIERS)
-    assert _served(None, regimes, 1000, cost_us) >= best_fixed
+    best_fixed = max(_served(steps, regimes, 1000, cost_us)[0] for steps in TIERS)
+    assert _served(None, regimes, 1000, cost_us)[0] >= best_fixed
 
 
 def test_trials_are_counted_per_position_and_reported_once():
@@ -266,8 +253,8 @@ def test_log_line_shows_usage_rates_and_times():
     assert tiers.log_text() == "tier cycles: , position rates: -, cycle us at batch <= 1: -, "
     accepted = Trials(3 * MIN_POSITION_TRIALS, MIN_POSITION_TRIALS)
     tiers.next_tier([RankFigures((accepted, Trials(1, 1), *NO_TRIALS[2:]), 20)])
-    tiers.next_tier(_report(0.5, 20, trials=0), 900)
-    tiers.next_tier(_report(0.5, 20, trials=0), 1100)
+    for us in (900, 1000, 1100):  # the third iteration's time counts (with the fourth)
+        tiers.next_tier(_report(0.5, 20, trials=0), us)
     tiers.times[1, 1] = CycleTime((700,), 0)  # another bucket's time is left out
     assert tiers.log_text() == "tier cycles: , position rates: 0.75 - - - -, cycle us at batch <= 32: 3:1100, "
     tiers.observe(3, [1, 2])
@@ -334,53 +321,58 @@ def test_a_neighbour_timed_out_of_order_is_measured_again():
 
 def test_cycle_times_count_decode_only_iterations():
     """An iteration's time arrives with the next one and counts for its tier and bucket only
-    when it ran a decode cycle and nothing else, after an iteration that ran one at the same
-    tier and bucket; the median of the latest TIME_SAMPLES."""
+    when it and the two before it ran a decode cycle and nothing else at that tier and bucket."""
     tiers = AdaptiveTiers(3, CostModel(TIERS))
     figures = _report(0.71, 20)  # bucket 32
     tiers.next_tier(figures)
-    assert tiers.timed is None  # no iteration before it
+    tiers.next_tier(figures)
+    assert tiers.timed is None  # one iteration before it
     tiers.next_tier(figures)
     assert tiers.timed == (3, 32)
     tiers.next_tier(figures, cycle_us=1200)
-    assert tiers.times == {(3, 32): CycleTime((1200,), 2)}
+    assert tiers.times == {(3, 32): CycleTime((1200,), 3)}
     tiers.next_tier(figures, cycle_us=2000, decode_only=False)  # this one also prefills
     assert tiers.times[3, 32].samples == (1200, 2000)
     tiers.next_tier(figures, cycle_us=9999)  # the prefilling iteration's time: not counted
-    assert tiers.times[3, 32].samples == (1200, 2000) and tiers.timed is None  # nor this one's (after a prefill)
+    assert tiers.times[3, 32].samples == (1200, 2000) and tiers.timed is None  # nor this one's
     tiers.next_tier(figures, cycle_us=8888)
+    assert tiers.timed is None  # nor the next: its GPU cycle ran right after the prefill
+    tiers.next_tier(figures, cycle_us=7777)
     tiers.next_tier([RankFigures(NO_TRIALS, 0)], cycle_us=1100)  # counted; no decode cycle now
     assert tiers.times[3, 32].samples == (1200, 2000, 1100) and tiers.timed is None
     tiers.next_tier(figures, cycle_us=5000)  # after an iteration without decode cycles: nothing
-    assert tiers.times[3, 32].us == 1200
-    assert tiers.internal_state()["spec_tier_cycle_us"] == {"3/32": 1200}
+    assert tiers.times[3, 32].us == 1100
+    assert tiers.internal_state()["spec_tier_cycle_us"] == {"3/32": 1100}
     tiers.reset()
-    assert tiers.times == {} and tiers.timed is None and tiers.last_key is None
+    assert tiers.times == {} and tiers.timed is None and tiers.last_key is None and tiers.key_run == 0
 
 
-def test_cycle_times_skip_the_first_iteration_of_a_tier():
-    """Two cycles at 3 steps, two at 5, again: only the second iteration of each run counts,
-    for its own tier (the first mostly waits for the other tier's cycle)."""
-    tiers = AdaptiveTiers(3, FixedSchedule(((3, 2), (5, 2))))
+def test_cycle_times_skip_the_first_iterations_of_a_tier():
+    """Three cycles at 3 steps, three at 5, again: only the third iteration of each run counts,
+    for its own tier (the first mostly waits for the other tier's cycle, the second for one
+    that ran right after it)."""
+    tiers = AdaptiveTiers(3, FixedSchedule(((3, 3), (5, 3))))
     figures = _report(0.71, 20)
     counted = []
-    for i in range(8):
+    for i in range(12):
         tiers.next_tier(figures, cycle_us=1000 + i)
         counted.append(tiers.timed)
-    assert counted == [None, (3, 32), None, (5, 32)] * 2
+    assert counted == [None, None, (3, 32), None, None, (5, 32)] * 2
     tiers.next_tier(figures, cycle_us=2000)
-    # Times of iterations 1 and 5 (3 steps: 1002, 1006), 3 and 7 (5 steps: 1004, 2000).
-    assert tiers.times == {(3, 32): CycleTime((1002, 1006), 6), (5, 32): CycleTime((1004, 2000), 8)}
-    assert (tiers.times[3, 32].us, tiers.times[5, 32].us) == (1002, 1004)
+    # Times of iterations 2 and 8 (3 steps: 1003, 1009), 5 and 11 (5 steps: 1006, 2000).
+    assert tiers.times == {(3, 32): CycleTime((1003, 1009), 9), (5, 32): CycleTime((1006, 2000), 12)}
+    assert (tiers.times[3, 32].us, tiers.times[5, 32].us) == (1003, 1006)
 
 
-def test_a_slow_iteration_does_not_move_the_cycle_time():
-    """The median of the latest TIME_SAMPLES: one iteration of 50x the others (a garbage
-    collection, a kernel's first use) leaves the tier's time as it was; the oldest samples go."""
+def test_slow_iterations_do_not_move_the_cycle_time():
+    """The lower quartile of the latest TIME_SAMPLES: iterations that ran long (a garbage
+    collection, a kernel's first use, requests finishing), even half of them, leave the tier's
+    time near its own work's; the oldest samples go."""
     tiers = AdaptiveTiers(3, FixedSchedule(((3, 1),)))
     figures = _report(0.71, 1)
-    for us in [0, 0, 1000, 1010, 990, 50_000, 1005, 995]:
+    for us in [0, 0, 0, 1000, 50_000, 1010, 2400, 990, 2600, 1005, 2500]:
         tiers.next_tier(figures, cycle_us=us)
+    assert tiers.times[3, 1].samples == (1000, 50_000, 1010, 2400, 990, 2600, 1005, 2500)
     assert tiers.times[3, 1].us == 1000
     for _ in range(TIME_SAMPLES + 1):  # a time counts with the next iteration: the last one waits
         tiers.next_tier(figures, cycle_us=1100)

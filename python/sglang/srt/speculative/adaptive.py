@@ -8,9 +8,12 @@ reports the counts since its previous report once per iteration; under DP attent
 iteration's plan all-gather (LocalPlan.spec_trials), so every rank sees every rank's counts
 and the decode batch of every rank. The tier state keeps per position a record of its trials
 (`PositionRecord`): each new trial weighs as much as the `POSITION_MEMORY` trials before it
-together, so the record follows the latest hundred or so trials of that position, however many
-cycles they took (at batch 1 a window of 16 cycles would estimate a rate near 0.9 to about
-0.08, too coarse to rank tiers a few percent apart). A position that no cycle reaches (cycles
+together, so the record follows the latest few dozen trials of that position, however many
+cycles they took. At batch 1 that is the current request: requests differ far more than a
+record of a few dozen trials errs (a prompt the draft continues verbatim accepts every draft,
+the next one hardly any), and the next request is unrelated to the one before, so a record
+spanning several requests follows neither; at batch 32 it is the latest cycle or two, the
+mean of every running request. A position that no cycle reaches (cycles
 at 1 step try only the first) keeps its record but lets it fade `STALE_FADE` times slower, by
 the first position's trials: kept as it was, a record taken on a stretch hard for the draft
 would hold the tier low after the stretch ends; faded below `MIN_POSITION_TRIALS` it gives way
@@ -33,12 +36,15 @@ before the first position's record holds `min_trials` trials. A position whose r
 fewer than `MIN_POSITION_TRIALS` trials takes the rate of the position before it.
 
 cost(s) is measured: the wall time of an iteration that ran a decode cycle and nothing else
-(start to next start), after one that did the same at the same tier and bucket (with overlap
-scheduling an iteration mostly waits for the previous one's cycle), the median of the latest
-`TIME_SAMPLES` per tier and batch bucket (the power of two at or above b), kept in
-`CycleTimes`: a median, because one iteration now and then takes many times the others (a
-garbage collection, a first use of a kernel), and an average would carry such a time into
-every decision until many more iterations at that tier wash it out. A tier not yet
+(start to next start), after two that did the same at the same tier and bucket (with overlap
+scheduling an iteration mostly waits for the previous one's cycle, which the GPU ran after
+the one before it: a prefill's or another tier's work still queued would count), the lower
+quartile of the latest `TIME_SAMPLES` per tier and batch bucket (the power of two at or above
+b), kept in `CycleTimes`. A low quantile, because what an iteration adds to a cycle's time
+only lengthens it (a garbage collection, a first use of a kernel, requests that finish or
+join, a prefill's work still on the GPU) and comes at any tier, while a tier's own work sets
+its shortest times: at concurrency 32 on the GPU, with a prefill every few cycles, more than
+half of a tier's samples ran long at times, enough to move a median by half. A tier not yet
 measured at the bucket is estimated from the nearest measured tier through the prior cost
 1 + s * (draft_cost + verify_cost * b) plain steps (their ratio); with nothing measured at the
 bucket the prior alone decides. Once the current tier is measured, a neighbouring tier (one
@@ -69,12 +75,12 @@ from typing import Optional, Protocol
 
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
 
-POSITION_MEMORY = 128  # a position's new trial weighs 1 / (POSITION_MEMORY + 1) of its record
+POSITION_MEMORY = 64  # a position's new trial weighs 1 / (POSITION_MEMORY + 1) of its record
 RECORD_ONE = 1 << 8  # one trial in a PositionRecord's fixed-point counts
 STALE_FADE = 4  # see PositionRecord.fade
 MIN_POSITION_TRIALS = 32  # a position with fewer trials on record takes the rate of the one before
 ALPHA_ONE = 1 << 20  # alpha = 1 in the decision's fixed-point arithmetic
-TIME_SAMPLES = 8  # the cycle times a tier's median at a bucket is taken over
+TIME_SAMPLES = 8  # the cycle times a tier's lower quartile at a bucket is taken over
 
 
 def batch_bucket(batch: int) -> int:
@@ -91,9 +97,9 @@ class CycleTime:
 
     @property
     def us(self) -> int:
-        """The median (the lower middle one of an even count)."""
+        """The lower quartile (of 8 samples the second shortest; of up to 4, the shortest)."""
         ordered = sorted(self.samples)
-        return ordered[(len(ordered) - 1) // 2]
+        return ordered[(len(ordered) - 1) // 4]
 
 
 CycleTimes = Mapping[tuple[int, int], CycleTime]  # (steps, batch bucket) -> time
@@ -354,9 +360,11 @@ class AdaptiveTiers:
         self.unreported = summed([], self.depths)
         self.state = TierState(start)
         self.times: dict[tuple[int, int], CycleTime] = {}
-        # (steps, batch bucket) of the latest iteration when it ran a decode cycle and nothing else.
+        # (steps, batch bucket) of the latest iteration when it ran a decode cycle and nothing
+        # else, and how many iterations in a row ended with it.
         self.last_key: Optional[tuple[int, int]] = None
-        # The key the next agreed time counts for: the latest iteration's, when the one before
+        self.key_run = 0
+        # The key the next agreed time counts for: the latest iteration's, when the two before
         # it had the same key (see next_tier).
         self.timed: Optional[tuple[int, int]] = None
         self.bucket = 1  # the batch bucket of the latest decode cycle
@@ -374,6 +382,7 @@ class AdaptiveTiers:
         self.state = TierState(self.start)
         self.times.clear()
         self.last_key = self.timed = None
+        self.key_run = 0
         self.bucket = 1
         self.total, self.since_log = TierCounts(), TierCounts()
 
@@ -431,8 +440,10 @@ class AdaptiveTiers:
                 key = (steps, batch_bucket(batch))
         self.state = state
         # With overlap scheduling an iteration mostly waits for the cycle launched by the one
-        # before it, so its time counts only when both ran at the same tier and bucket.
-        self.timed = key if key is not None and key == self.last_key else None
+        # before it, which the GPU ran after the one before that: its time counts only when
+        # all three ran at the same tier and bucket.
+        self.key_run = self.key_run + 1 if key is not None and key == self.last_key else int(key is not None)
+        self.timed = key if self.key_run >= 3 else None
         self.last_key = key
         return steps
 
