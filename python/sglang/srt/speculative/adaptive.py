@@ -13,15 +13,16 @@ cycles they took. At batch 1 that is the current request: requests differ far mo
 record of a few dozen trials errs (a prompt the draft continues verbatim accepts every draft,
 the next one hardly any), and the next request is unrelated to the one before, so a record
 spanning several requests follows neither; at batch 32 it is the latest cycle or two, the
-mean of every running request. A position that no cycle reaches (cycles
-at 1 step try only the first) keeps its record but lets it fade `STALE_FADE` times slower, by
-the first position's trials: kept as it was, a record taken on a stretch hard for the draft
-would hold the tier low after the stretch ends; faded below `MIN_POSITION_TRIALS` it gives way
-to the rate of the position before it, and the longer chains are tried again. a_d, position
-d's accepted / trials, is the chance that a cycle's d-th draft is accepted given the ones
-before it were, whatever tiers the cycles ran at. The positions differ (the first is usually the likeliest): one rate pooled over
-the positions that recent cycles happened to reach would make longer chains look best after
-short cycles and shorter ones after long cycles, and the tier would alternate.
+mean of every running request. A position that no cycle reaches (cycles at 1 step try only
+the first) keeps its record but lets it fade `STALE_FADE` times slower, by the first
+position's trials: kept as it was, a record taken on a stretch hard for the draft would hold
+the tier low after the stretch ends; faded below `MIN_POSITION_TRIALS` it gives way to the
+rate of the position before it, and the longer chains are tried again. a_d, position d's
+accepted / trials, is the chance that a cycle's d-th draft is accepted given the ones before
+it were, whatever tiers the cycles ran at. The positions differ (the first is usually the
+likeliest): one rate pooled over the positions that recent cycles happened to reach would
+make longer chains look best after short cycles and shorter ones after long cycles, and the
+tier would alternate.
 
 Decision (`CostModel.decide`): with b the largest DP rank's decode batch (the busiest rank sets
 the iteration's time),
