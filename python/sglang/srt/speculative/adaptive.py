@@ -365,9 +365,6 @@ class AdaptiveTiers:
         # else, and how many iterations in a row ended with it.
         self.last_key: Optional[tuple[int, int]] = None
         self.key_run = 0
-        # The key the next agreed time counts for: the latest iteration's, when the two before
-        # it had the same key (see next_tier).
-        self.timed: Optional[tuple[int, int]] = None
         self.bucket = 1  # the batch bucket of the latest decode cycle
         self.total, self.since_log = TierCounts(), TierCounts()
 
@@ -382,7 +379,7 @@ class AdaptiveTiers:
         self.unreported = summed([], self.depths)
         self.state = TierState(self.start)
         self.times.clear()
-        self.last_key = self.timed = None
+        self.last_key = None
         self.key_run = 0
         self.bucket = 1
         self.total, self.since_log = TierCounts(), TierCounts()
@@ -440,13 +437,16 @@ class AdaptiveTiers:
             if decode_only:
                 key = (steps, batch_bucket(batch))
         self.state = state
-        # With overlap scheduling an iteration mostly waits for the cycle launched by the one
-        # before it, which the GPU ran after the one before that: its time counts only when
-        # all three ran at the same tier and bucket.
         self.key_run = self.key_run + 1 if key is not None and key == self.last_key else int(key is not None)
-        self.timed = key if self.key_run >= 3 else None
         self.last_key = key
         return steps
+
+    @property
+    def timed(self) -> Optional[tuple[int, int]]:
+        """The key the next agreed time counts for: the latest iteration's, when the two before
+        it had the same key. With overlap scheduling an iteration mostly waits for the cycle
+        launched by the one before it, which the GPU ran after the one before that."""
+        return self.last_key if self.key_run >= 3 else None
 
     def _record_time(self, steps: int, bucket: int, us: int) -> None:
         old = self.times.get((steps, bucket))
