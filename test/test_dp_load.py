@@ -151,7 +151,8 @@ def test_tp2_dp2_requests_follow_the_load(tiny_llama_dir, method, expected):
             t.join(300)
         log = server.log_tail(200000)
         assert _new_seqs_per_rank(log) == expected
-        assert re.search(r"DP0 TP0\] Decode batch\..*tok/iter: \d+\.\d, balance: \d\.\d\d, stalled: \d\.\d\d", log)
+        line = r"DP0 TP0\] Decode batch\..*tok/iter: \d+\.\d, balance: \d\.\d\d, stalled: \d\.\d\d, "
+        assert re.search(line + r"host us/iter: launch \d+, wait \d+, process \d+, schedule \d+, gen throughput", log)
         states = _internal_states(url)
         for s in states:
             assert 0 < s["balance_ratio"] <= 1

@@ -42,6 +42,7 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting
 from sglang.srt.managers.scheduler_balance import IterationBalance
+from sglang.srt.managers.scheduler_phases import IterationPhases
 from sglang.srt.managers.scheduler_heartbeat import IterationHeartbeat
 from sglang.srt.managers.scheduler_profiler import SchedulerProfiler
 from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -135,6 +136,7 @@ class Scheduler:
         self.last_plan: Optional[GlobalPlan] = None  # the previous iteration's (DP attention)
         self.prefill_hold = PrefillHold(server_args.dp_prefill_align_iters)
         self.balance = IterationBalance()
+        self.phases = IterationPhases()
         dp_label = f"DP{self.dp_rank}-" if self.dp_rank is not None else ""
         self.profiler = SchedulerProfiler(f"{dp_label}TP{tp_rank}")
         self.heartbeat = IterationHeartbeat(port_args.run_dir, f"{dp_label}TP{tp_rank}")
@@ -196,6 +198,7 @@ class Scheduler:
     def run_iteration(self) -> None:
         self.iterations += 1
         started = time.perf_counter()
+        self.phases.begin()
         measured = self.take_decode_iteration_time(started)
         own = self.recv_requests(block=not self.has_work() and self.globally_idle)
         if measured and self.comm.attn_tp_size > 1:
@@ -217,7 +220,9 @@ class Scheduler:
         )
         previous, self.in_flight = self.in_flight, None
         if batch is not None:
+            launch_started = time.perf_counter()
             self.in_flight = (batch, self.launch(batch, plan))
+            self.phases.add("launch", time.perf_counter() - launch_started)
             self.profiler.step()
         if self.adaptive is not None and self.adaptive.timed is not None and batch is not None:
             self.timed_iteration_started = started
@@ -230,6 +235,7 @@ class Scheduler:
             self.load_reporter.report(self.waiting + self.running + ([self.chunked_req] if self.chunked_req else []))
         if self.collective_recorder is not None:
             self.comm.check_collective_traces(self.collective_recorder.take())
+        self.phases.end(started)
 
     def can_overlap(self) -> bool:
         """Whether the next batch may be scheduled before the step in flight reaches the host:
@@ -518,7 +524,10 @@ class Scheduler:
         """Wait for the step's tokens and hand them to their requests. A request that finished
         (or was aborted) while the step ran drops its token."""
         self.forward_started_at = time.monotonic()
+        wait_started = time.perf_counter()
         result = step.resolve()
+        resolved_at = time.perf_counter()
+        self.phases.add("wait", resolved_at - wait_started)
         self.forward_started_at = None
         for i in step.sampled_rows:
             batch.reqs[i].in_flight -= 1
@@ -546,6 +555,7 @@ class Scheduler:
             elif req.stream and result.next_token_ids[i] and self.due_for_streaming(req):
                 out.append(req)
         self.stream_output(out)
+        self.phases.add("process", time.perf_counter() - resolved_at)
 
     def due_for_streaming(self, req: Req) -> bool:
         """--stream-interval N: a streaming request's new tokens go out once N have gathered; its
@@ -676,12 +686,13 @@ class Scheduler:
             self.spec_steps_total += self.spec_steps_since_log
             self.spec_tokens_since_log = self.spec_steps_since_log = 0
         logger.info(
-            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %s%sgen throughput (token/s): %.2f, #queue-req: %d",
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %s%s%sgen throughput (token/s): %.2f, #queue-req: %d",
             len(batch.reqs),
             self.allocator.size - self.free_kv_tokens(),
             self.token_usage(),
             spec,
             self.balance.log_text(),
+            self.phases.take_log_text(),
             self.last_gen_throughput,
             len(self.waiting),
         )
