@@ -42,8 +42,8 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting
 from sglang.srt.managers.scheduler_balance import IterationBalance
-from sglang.srt.managers.scheduler_phases import IterationPhases
 from sglang.srt.managers.scheduler_heartbeat import IterationHeartbeat
+from sglang.srt.managers.scheduler_phases import IterationPhases
 from sglang.srt.managers.scheduler_profiler import SchedulerProfiler
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.model_executor.tp_worker import GenerationResult, LaunchedStep, TpModelWorker
