@@ -6,7 +6,11 @@ alternating rounds, and a markdown table per flag set (a "variant").
         --max-concurrency 8 --request-rate 4 --seed 1 -- --chunked-prefill-size 128 --device cpu
 
 --variant NAME=FLAGS names one variant's extra server flags (split as a shell would; `NAME=`
-for none). Flags after `--` go to every server, before the variant's, so a variant's value of
+for none). --engine NAME=DIR serves that variant from the `sglang` package under DIR instead
+of this checkout's: the previous engine side by side with this one, e.g. after
+`mkdir /tmp/before && git archive COMMIT python | tar -x -C /tmp/before`,
+`--variant before= --engine before=/tmp/before/python --variant after=`. Figures an older
+server does not report show as "-". Flags after `--` go to every server, before the variant's, so a variant's value of
 a common flag wins. Other flags before `--` describe the workload and are
 python -m sglang.bench_serving's.
 
@@ -52,6 +56,7 @@ from sglang.test.server_utils import kill_server, popen_launch_server
 class Variant:
     name: str
     flags: tuple[str, ...]  # server flags after the common ones
+    python_dir: Optional[str] = None  # the directory of the sglang package that serves it (None: this one)
 
 
 def parse_variant(text: str) -> Variant:
@@ -66,12 +71,29 @@ def round_order(variants: list[Variant], rounds: int) -> list[list[Variant]]:
     return [variants if r % 2 == 0 else variants[::-1] for r in range(rounds)]
 
 
-def server_counts(base_url: str) -> dict[str, int]:
+def server_counts(base_url: str) -> dict[str, Optional[int]]:
     """Counters since launch, summed over DP ranks: prefill batches that carried running
-    requests' decode steps, iterations with running requests, and those without a decode step."""
+    requests' decode steps, iterations with running requests, and those without a decode step
+    (None where the server does not report one)."""
     states = internal_states(base_url)
     keys = ("mixed_prefill_batches", "running_iterations", "stalled_iterations")
-    return {key: sum(s[key] for s in states) for key in keys}
+    return {key: sum(s[key] for s in states) if all(key in s for s in states) else None for key in keys}
+
+
+def with_engines(variants: list[Variant], engines: list[tuple[str, str]]) -> list[Variant]:
+    """The variants, each named by an --engine NAME=DIR served from DIR."""
+    dirs = dict(engines)
+    unknown = sorted(set(dirs) - {v.name for v in variants})
+    if unknown:
+        raise ValueError(f"--engine names no variant: {unknown}")
+    return [Variant(v.name, v.flags, dirs.get(v.name)) for v in variants]
+
+
+def parse_engine(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not os.path.isdir(os.path.join(path, "sglang")):
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR with DIR/sglang a package, got {text!r}")
+    return name, path
 
 
 def run_round(
@@ -79,7 +101,9 @@ def run_round(
 ) -> dict[str, Any]:
     """One server with the variant's flags: the unrecorded passes, then the recorded one's metrics
     with the server's figures for it."""
-    server = popen_launch_server(args.model_path, [*server_argv, *variant.flags], timeout=args.launch_timeout)
+    server = popen_launch_server(
+        args.model_path, [*server_argv, *variant.flags], timeout=args.launch_timeout, python_dir=variant.python_dir
+    )
     try:
         run_args = argparse.Namespace(**{**vars(bench_args), "base_url": server.base_url, "flush_cache": True})
         for _ in range(args.warmup_passes):
@@ -91,10 +115,12 @@ def run_round(
                 f"{variant.name}: {metrics['num_prompts'] - metrics['completed']} requests failed: {metrics['errors']}"
             )
         metrics["prefill_batches"] = count_prefill_batches(server.log_path) - prefills_before
-        counts = {key: n - counts_before[key] for key, n in server_counts(server.base_url).items()}
+        counts = {key: None if n is None else n - (counts_before[key] or 0) for key, n in server_counts(server.base_url).items()}
         metrics["mixed_prefill_batches"] = counts["mixed_prefill_batches"]
-        running = counts["running_iterations"]
-        metrics["stalled_iteration_fraction"] = counts["stalled_iterations"] / running if running else 0.0
+        running, stalled = counts["running_iterations"], counts["stalled_iterations"]
+        metrics["stalled_iteration_fraction"] = (
+            None if running is None or stalled is None else stalled / running if running else 0.0
+        )
         return metrics
     finally:
         kill_server(server)
@@ -112,9 +138,14 @@ def table(rows: list[tuple[Variant, dict[str, Any]]]) -> str:
         lines.append(
             f"| {variant.name} | {flags} | {throughput_text(m)} | {m['mean_ttft_ms']:.1f} | "
             f"{_ms(m, 'median_itl_ms')} | {_ms(m, 'p99_itl_ms')} | {_ms(m, 'median_tpot_ms')} | {m['prefill_batches']} | "
-            f"{m['mixed_prefill_batches']} | {m['stalled_iteration_fraction']:.2f} |"
+            f"{_or_dash(m['mixed_prefill_batches'], 'd')} | {_or_dash(m['stalled_iteration_fraction'], '.2f')} |"
         )
     return "\n".join(lines)
+
+
+def _or_dash(value: Optional[float], spec: str) -> str:
+    """A server figure, or - where the server does not report it (an older engine)."""
+    return "-" if value is None else format(value, spec)
 
 
 def _ms(m: dict[str, Any], key: str) -> str:
@@ -129,6 +160,7 @@ def main(argv: Optional[list[str]] = None) -> str:
     p.add_argument(
         "--variant", type=parse_variant, action="append", required=True, help="NAME=FLAGS, once per variant (at least two)"
     )
+    p.add_argument("--engine", type=parse_engine, action="append", default=[], help="NAME=DIR: variant NAME runs DIR/sglang")
     p.add_argument("--rounds", type=int, default=3, help="recorded passes per variant, alternating the variants' order")
     p.add_argument("--warmup-passes", type=int, default=1, help="unrecorded runs of the workload on each server first")
     p.add_argument("--launch-timeout", type=float, default=900.0)
@@ -139,6 +171,10 @@ def main(argv: Optional[list[str]] = None) -> str:
         p.error(f"need at least two variants of distinct names, got {[v.name for v in variants]}")
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
+    try:
+        variants = with_engines(variants, args.engine)
+    except ValueError as e:
+        p.error(str(e))
     bench_args = bench_parser().parse_args(bench_argv)
     passes: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
     for round_index, order in enumerate(round_order(variants, args.rounds)):
@@ -153,7 +189,14 @@ def main(argv: Optional[list[str]] = None) -> str:
                 {
                     "server_flags": server_argv,
                     "variants": [
-                        {"name": v.name, "flags": list(v.flags), "median": m, "rounds": passes[v.name]} for v, m in rows
+                        {
+                            "name": v.name,
+                            "flags": list(v.flags),
+                            "python_dir": v.python_dir,
+                            "median": m,
+                            "rounds": passes[v.name],
+                        }
+                        for v, m in rows
                     ],
                 },
                 f,

@@ -431,6 +431,28 @@ def test_flag_ab_parses_variants_and_alternates_rounds():
             ab.main(["--model-path", "m", *argv])
 
 
+def test_flag_ab_engines_name_variants_and_packages(tmp_path):
+    ab = _load_script("benchmark/flag_ab.py")
+    python_dir = os.path.join(REPO, "python")
+    assert ab.parse_engine(f"before={python_dir}") == ("before", python_dir)
+    for bad in (f"={python_dir}", "before", f"before={tmp_path}"):  # no name, no dir, no sglang package in it
+        with pytest.raises(argparse.ArgumentTypeError):
+            ab.parse_engine(bad)
+    plain, mixed = ab.Variant("plain", ()), ab.Variant("mixed", ("--enable-mixed-chunk",))
+    assert ab.with_engines([plain, mixed], [("plain", python_dir)]) == [ab.Variant("plain", (), python_dir), mixed]
+    with pytest.raises(ValueError, match="names no variant"):
+        ab.with_engines([plain, mixed], [("other", python_dir)])
+
+
+def test_launch_serves_the_package_of_python_dir(tmp_path):
+    """A server started with python_dir imports sglang from there: a package without the
+    launcher fails to start, naming the missing module."""
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    with pytest.raises(RuntimeError, match="sglang.launch_server"):
+        popen_launch_server("unused", [], timeout=60, python_dir=str(tmp_path))
+
+
 def test_flag_ab_table_from_the_median_rounds():
     ab = _load_script("benchmark/flag_ab.py")
 
@@ -468,6 +490,9 @@ def test_flag_ab_table_from_the_median_rounds():
     assert (
         ab.table([(ab.Variant("one", ()), ttft_only)]).splitlines()[2] == "| one | - | 100.0 | 50.0 | - | - | - | 40 | 0 | 0.30 |"
     )
+    # An older server that does not report the mixed and stalled counts.
+    older = {**plain[0], "mixed_prefill_batches": None, "stalled_iteration_fraction": None}
+    assert ab.table([(ab.Variant("old", ()), older)]).splitlines()[2].endswith("| 40 | - | - |")
 
 
 def test_flag_ab_runs_two_servers(tiny_llama_unsharded_dir, tmp_path):
@@ -480,11 +505,12 @@ def test_flag_ab_runs_two_servers(tiny_llama_unsharded_dir, tmp_path):
     workload += " --num-prompts 6 --max-concurrency 3 -- --device cpu --dtype float32 --chunked-prefill-size 16"
     result = ab.main(
         ["--model-path", tiny_llama_unsharded_dir, "--variant", "plain=", "--variant", "mixed=--enable-mixed-chunk"]
-        + ["--output-file", str(out), *workload.split()]
+        + ["--engine", f"mixed={os.path.join(REPO, 'python')}", "--output-file", str(out), *workload.split()]
     )
     assert [line.split(" | ")[0] for line in result.splitlines()[2:]] == ["| plain", "| mixed"]
     variants = {v["name"]: v for v in json.loads(out.read_text())["variants"]}
     assert variants["mixed"]["flags"] == ["--enable-mixed-chunk"]
+    assert variants["mixed"]["python_dir"] == os.path.join(REPO, "python") and variants["plain"]["python_dir"] is None
     for v in variants.values():
         (only,) = v["rounds"]
         assert only["round"] == 0 and only["completed"] == 6 and only["total_output_tokens"] == 48

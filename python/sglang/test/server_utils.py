@@ -70,16 +70,19 @@ def popen_launch_server(
     timeout: float = 300.0,
     api_key: Optional[str] = None,
     launcher: Sequence[str] = ("-m", "sglang.launch_server"),
+    python_dir: Optional[str] = None,
 ) -> ServerProcess:
     """Start a server on a free port and wait until /health answers 200. `launcher`: the
     interpreter's arguments before the server flags (another entry point that takes them).
-    Raises RuntimeError (with the server's log tail) if it exits or times out first."""
+    `python_dir`: the directory whose `sglang` package serves (another checkout's `python/`),
+    instead of this one's. Raises RuntimeError (with the server's log tail) if it exits or
+    times out first."""
     port = find_free_port()
     args = [sys.executable, *launcher, "--model-path", model_path, "--port", str(port), *extra_args]
     if api_key:
         args += ["--api-key", api_key]
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PYTHON_DIR, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (python_dir or _PYTHON_DIR, env.get("PYTHONPATH")) if p)
     log = tempfile.NamedTemporaryFile("w", prefix="sglang-server-", suffix=".log", delete=False)
     proc = ServerProcess(args, stdout=log, stderr=subprocess.STDOUT, env=env)
     log.close()
