@@ -119,6 +119,33 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
         -- --cuda-graph-max-bs 32 --enable-piecewise-cuda-graph $spec
     done
     ;;
+  serving-phases)  # the trained DeepSeek served at concurrency 32, plain and NEXTN 3/1/4, without the
+    # profiler: each server's host phases per iteration (the decode log line's `host us/iter`)
+    [ -d "$models/deepseek-v3-mtp" ] || step train_deepseek 200 python3 -m sglang.tools.train_tiny_models --out "$models" \
+      --device cuda --minutes "${MINUTES:-0.6}" --models deepseek
+    rm -f /tmp/sglang-server-*.log
+    # shellcheck disable=SC2086
+    step serving_phases 300 python3 benchmark/spec_sweep.py --model-path "$models/deepseek-v3-mtp" \
+      --speculative-algorithm NEXTN --configs 3,1,4 --baseline --concurrencies 32 --recorded-passes 2 \
+      --dataset-name file --dataset-path "$models/heldout_prompts.jsonl" --num-prompts 256 --random-output-len 256 \
+      -- --cuda-graph-max-bs 32 --enable-piecewise-cuda-graph ${SWEEP_FLAGS:-}
+    grep -A4 '^| steps' "$out/serving_phases.log" | tee -a "$out/summary.log"
+    for log in $(ls -tr /tmp/sglang-server-*.log); do  # the servers in launch order: plain first
+      grep -E 'running-req: (3[0-2]|2[89]),.*host us/iter' "$log" | tail -4 | tee -a "$out/summary.log"
+    done
+    ;;
+  smollm2-c64)  # SmolLM2-135M shape, random 256 in / 128 out at concurrency 64, against the engine
+    # whose python/ is $BEFORE_PYTHON (e.g. `git archive COMMIT python | tar -x -C DIR`, carried along)
+    if [ -z "${BEFORE_PYTHON:-}" ]; then
+      echo "=== smollm2_c64: skipped, BEFORE_PYTHON (the previous engine's python/) unset" | tee -a "$out/summary.log"
+    else
+      dir=$(python3 -c "import sys; sys.path.insert(0, 'benchmark'); from bench_decode import dummy_model_dir; print(dummy_model_dir('benchmark/configs/smollm2-135m.json'))")
+      step smollm2_c64 400 python3 benchmark/flag_ab.py --model-path "$dir" --variant before= --engine "before=$BEFORE_PYTHON" \
+        --variant after= --rounds 2 --dataset-name random --random-input-len 256 --random-output-len 128 --random-range-ratio 1 \
+        --num-prompts 256 --max-concurrency 64 --output-file "$out/smollm2_c64.json" -- --load-format dummy --cuda-graph-max-bs 64
+      grep -A4 '^| variant' "$out/smollm2_c64.log" | tee -a "$out/summary.log"
+    fi
+    ;;
   graphs)  # one GPU: CUDA graphs for plain decode and for every speculative sub-forward
     nextn=$nextn_3_1_4
     step graph_tests 300 python3 -m pytest -q -x test/test_cuda_graph_keys.py test/test_cuda_graph_replay.py \
@@ -159,6 +186,6 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     step collectives_nccl 150 python3 benchmark/kernels/bench_collectives.py --world "${WORLD:-2}" --gpu-id-step 1 \
       --jsonl "$out/collectives.jsonl"
     ;;
-  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|serving-profile|graphs|prefill-graphs|shared-gpu|collectives"; exit 2 ;;
+  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|serving-profile|serving-phases|smollm2-c64|graphs|prefill-graphs|shared-gpu|collectives"; exit 2 ;;
 esac
 done
