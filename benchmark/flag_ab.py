@@ -6,13 +6,15 @@ alternating rounds, and a markdown table per flag set (a "variant").
         --max-concurrency 8 --request-rate 4 --seed 1 -- --chunked-prefill-size 128 --device cpu
 
 --variant NAME=FLAGS names one variant's extra server flags (split as a shell would; `NAME=`
-for none). --engine NAME=DIR serves that variant from the `sglang` package under DIR instead
-of this checkout's: the previous engine side by side with this one, e.g. after
-`mkdir /tmp/before && git archive COMMIT python | tar -x -C /tmp/before`,
-`--variant before= --engine before=/tmp/before/python --variant after=`. Figures an older
-server does not report show as "-". Flags after `--` go to every server, before the variant's, so a variant's value of
+for none). Flags after `--` go to every server, before the variant's, so a variant's value of
 a common flag wins. Other flags before `--` describe the workload and are
 python -m sglang.bench_serving's.
+
+--engine NAME=DIR serves that variant from the `sglang` package under DIR instead of this
+checkout's: the previous engine side by side with this one, e.g. after
+`mkdir /tmp/before && git archive COMMIT python | tar -x -C /tmp/before`,
+`--variant before= --engine before=/tmp/before/python --variant after=`. Figures an older
+server does not report show as "-".
 
 Each round launches one server per variant in turn, runs the workload --warmup-passes times
 unrecorded (kernels compile, allocators grow), then once recorded, and stops the server; the
