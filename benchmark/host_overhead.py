@@ -13,6 +13,7 @@ for the device included (in `process`).
     python benchmark/host_overhead.py --tiny --graph-standin --batch-sizes 1 32 -- --device cpu --dtype float32
     python benchmark/host_overhead.py --config benchmark/configs/smollm2-135m.json --batch-sizes 1 32 -- --cuda-graph-max-bs 32
     python benchmark/host_overhead.py --tiny --batch-sizes 32 --profile 25 -- --device cpu
+    python benchmark/host_overhead.py --tiny --batch-sizes 32 --profile 40 --profile-sort cumtime -- --device cpu
     python benchmark/host_overhead.py --tiny-deepseek --graph-standin --batch-sizes 1 32 -- --device cpu \
         --dtype float32 --speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 \
         --speculative-num-draft-tokens 4
@@ -305,8 +306,9 @@ def bench(scheduler: Scheduler, timer: PhaseTimer, args: argparse.Namespace, bat
     ops = count_ops(scheduler, args.iterations) if args.count_ops else None
     drain(scheduler)
     if profiler:
-        print(f"---- cProfile without the forward, batch size {batch_size}, by own time", file=sys.stderr)
-        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
+        order = {"tottime": "own time", "cumtime": "time with callees"}[args.profile_sort]
+        print(f"---- cProfile without the forward, batch size {batch_size}, by {order}", file=sys.stderr)
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats(args.profile_sort).print_stats(args.profile)
     row = {"batch_size": batch_size, "iterations": args.iterations, "repeats": args.repeats}
     row.update({k: round(statistics.median(r[k] for r in runs), 1) for k in runs[0]})
     row["best_host_us"] = round(min(r["host_us"] for r in runs), 1)
@@ -331,6 +333,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--stream", action="store_true", help="streaming requests (every step is sent)")
     parser.add_argument("--profile", type=int, default=0, help="print this many cProfile rows (stderr)")
+    parser.add_argument("--profile-sort", choices=("tottime", "cumtime"), default="tottime", help="order of the cProfile rows")
     parser.add_argument("--graph-standin", action="store_true", help="CPU: the CUDA-graph path, graphs that do nothing")
     parser.add_argument("--count-ops", action="store_true", help="kernel-launching ops per iteration, by part")
     parser.add_argument(
