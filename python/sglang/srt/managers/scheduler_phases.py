@@ -27,24 +27,23 @@ class IterationPhases:
     def __init__(self) -> None:
         self.window = PhaseTotals()
         self.iterations = 0
-        self._current = PhaseTotals()
+        self._measured = 0.0  # seconds the current iteration's measured phases took
+        self._busy = False  # whether it launched or processed a step
 
     def begin(self) -> None:
-        self._current = PhaseTotals()
+        self._measured, self._busy = 0.0, False
 
     def add(self, phase: str, seconds: float) -> None:
-        setattr(self._current, phase, getattr(self._current, phase) + seconds)
+        setattr(self.window, phase, getattr(self.window, phase) + seconds)
+        self._measured += seconds
+        self._busy = True
 
     def end(self, started: float) -> None:
         """Close the iteration that began at `started` (time.perf_counter); its schedule phase
         is what the other three did not take. It counts when it launched or processed a step."""
-        cur = self._current
-        if not (cur.launch or cur.wait or cur.process):
-            return
-        cur.schedule = max(0.0, time.perf_counter() - started - cur.launch - cur.wait - cur.process)
-        for f in fields(PhaseTotals):
-            setattr(self.window, f.name, getattr(self.window, f.name) + getattr(cur, f.name))
-        self.iterations += 1
+        if self._busy:
+            self.window.schedule += max(0.0, time.perf_counter() - started - self._measured)
+            self.iterations += 1
 
     def per_iteration_us(self) -> dict[str, float]:
         n = max(self.iterations, 1)
