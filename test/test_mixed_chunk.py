@@ -5,8 +5,6 @@ float32; outputs compared with the same requests run without mixing)."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
@@ -28,10 +26,8 @@ ARRIVALS = [
 
 
 def _scheduler(path: str, mixed: bool, overlap: bool = True, **kw) -> Scheduler:
-    kw = {"max_total_tokens": 1024, **kw}
-    args = ServerArgs(
-        model_path=path, device="cpu", dtype="float32", enable_mixed_chunk=mixed, disable_overlap_schedule=not overlap, **kw
-    )
+    kw = {"max_total_tokens": 1024, "disable_overlap_schedule": not overlap, **kw}
+    args = ServerArgs(model_path=path, device="cpu", dtype="float32", enable_mixed_chunk=mixed, **kw)
     return start_scheduler(args)
 
 
@@ -41,10 +37,10 @@ def _run(scheduler: Scheduler, logprobs: bool = False) -> tuple[dict[str, list[i
     mixed_rows: list[int] = []
     launch = scheduler.worker.launch
 
-    def traced(batch):
+    def traced(batch, *args):
         if batch.mode.name == "EXTEND":
             mixed_rows.append(batch.mixed_decode_rows)
-        return launch(batch)
+        return launch(batch, *args)
 
     scheduler.worker.launch = traced
     finished = scheduler.send_to_detokenizer.finished
@@ -138,20 +134,60 @@ def test_no_mixing_when_running_rows_would_take_most_of_the_chunk(tiny_llama_dir
     assert [len(got[f"r{i}"]) for i in range(len(ARRIVALS))] == [n for _, _, n in ARRIVALS]
 
 
-def test_mixed_chunk_is_ignored_with_speculation(tiny_llama_dir, caplog):
-    with caplog.at_level(logging.WARNING):
-        args = ServerArgs(
-            model_path=tiny_llama_dir,
-            device="cpu",
-            enable_mixed_chunk=True,
-            speculative_algorithm="EAGLE",
-            speculative_draft_model_path=tiny_llama_dir,
-            speculative_num_steps=1,
-            speculative_eagle_topk=1,
-            speculative_num_draft_tokens=2,
-        )
-    assert not args.enable_mixed_chunk
-    assert "--enable-mixed-chunk is ignored" in caplog.text
+def _spec_run(path: str, spec: dict, mixed: bool, **kw) -> tuple[dict[str, list[int]], list[tuple[int, int]], Scheduler]:
+    """ARRIVALS through a speculative scheduler: final output ids, and per prefill launched
+    while requests ran, (running requests, requests whose cycle rode along)."""
+    scheduler = _scheduler(path, mixed=mixed, **spec, **kw)
+    launch = scheduler.worker.launch
+    beside: list[tuple[int, int]] = []
+
+    def traced(batch, *args):
+        if batch.mode.name == "EXTEND" and scheduler.running:
+            alongside = batch.alongside_decode
+            beside.append((len(scheduler.running), len(alongside.reqs) if alongside else 0))
+        return launch(batch, *args)
+
+    scheduler.worker.launch = traced
+    got, _, _ = _run(scheduler)
+    return got, beside, scheduler
+
+
+NEXTN = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+EAGLE_1_1_2 = dict(
+    speculative_algorithm="EAGLE", speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=2
+)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sequential"])
+@pytest.mark.parametrize("chunked_prefill_size", [None, 8], ids=["whole", "chunked"])
+def test_speculative_cycles_beside_prefills_equal_unmixed(tiny_deepseek_v3_dir, overlap, chunked_prefill_size):
+    """NEXTN 3/1/4: with mixing, every prefill launched while requests run queues their decode
+    cycle in the same iteration; tokens equal unmixed scheduling and the stalled-iteration
+    fraction drops."""
+    kw = {"disable_overlap_schedule": not overlap}
+    if chunked_prefill_size is not None:
+        kw["chunked_prefill_size"] = chunked_prefill_size
+    expected, unmixed, plain = _spec_run(tiny_deepseek_v3_dir, NEXTN, mixed=False, **kw)
+    assert len(unmixed) >= 3 and not any(n for _, n in unmixed)
+    got, beside, scheduler = _spec_run(tiny_deepseek_v3_dir, NEXTN, mixed=True, **kw)
+    assert got == expected
+    assert [len(got[f"r{i}"]) for i in range(len(ARRIVALS))] == [n for _, _, n in ARRIVALS]
+    assert beside and all(n >= 1 for _, n in beside), beside
+    # All but the requests whose cycle in flight may be their last (by length) ride along.
+    assert sum(n for _, n in beside) >= 0.7 * sum(r for r, _ in beside), beside
+    assert scheduler.mixed_prefill_batches == len(beside)
+    stalled = [s.balance.internal_state()["stalled_iteration_fraction"] for s in (plain, scheduler)]
+    assert stalled[1] < stalled[0], stalled
+    _assert_all_kv_free(scheduler)
+
+
+def test_eagle_cycles_beside_prefills_equal_unmixed(tiny_llama_dir, tiny_llama_eagle_head_dir):
+    spec = {**EAGLE_1_1_2, "speculative_draft_model_path": tiny_llama_eagle_head_dir}
+    expected, _, _ = _spec_run(tiny_llama_dir, spec, mixed=False, chunked_prefill_size=8)
+    got, beside, scheduler = _spec_run(tiny_llama_dir, spec, mixed=True, chunked_prefill_size=8)
+    assert got == expected
+    assert beside and all(n >= 1 for _, n in beside)
+    _assert_all_kv_free(scheduler)
 
 
 @pytest.mark.timeout(300)

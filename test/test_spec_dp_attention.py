@@ -96,8 +96,23 @@ def test_sub_forward_rows_from_the_plan_all_gather():
     assert it.rows(SubForward.DRAFT_EXTEND) == (0, 8, 0)  # padded to steps + 1 per request
     decode_only = SpecIterationPlan.from_global(GlobalPlan((LocalPlan(1, 1, 0), LocalPlan(0, 0, 0))), sizes)
     assert decode_only.extend_phase() == [] and decode_only.global_num_tokens(SubForward.TARGET_VERIFY) == [8, 0]
-    local = SpecIterationPlan.local(ForwardMode.DECODE, 3, 3, sizes)
+    local = SpecIterationPlan.local(0, 3, sizes)
     assert local.global_num_tokens(SubForward.TARGET_VERIFY) is None  # one DP group: no gathering
+    assert local.extend_phase() == [] and local.rows(SubForward.TARGET_VERIFY) == (24,)
+
+
+def test_a_prefill_with_its_running_requests_cycle_runs_both_phases():
+    """--enable-mixed-chunk under speculation: a rank that prefills also decodes its running
+    requests in the same iteration (LocalPlan.alongside_decode_reqs)."""
+    sizes = SpecSizes(steps=3, topk=1, num_draft_tokens=4)
+    # DP0 prefills 6 tokens of 2 requests while its 5 running requests cycle; DP1 decodes 2.
+    plan = GlobalPlan((LocalPlan(6, 2, 1, alongside_decode_reqs=5), LocalPlan(2, 2, 0, alongside_decode_reqs=0)))
+    it = SpecIterationPlan.from_global(plan, sizes)
+    assert it.extend_phase() and it.decode_phase()
+    assert it.rows(SubForward.TARGET_EXTEND) == (6, 0)
+    assert it.rows(SubForward.TARGET_VERIFY) == (20, 8)
+    local = SpecIterationPlan.local(6, 5, sizes)
+    assert local.rows(SubForward.TARGET_EXTEND) == (6,) and local.rows(SubForward.TARGET_VERIFY) == (20,)
 
 
 # ---- scheduler-level runs on two spawned ranks ---------------------------------------------
@@ -123,10 +138,11 @@ def _drive(scheduler: Scheduler, run: list[tuple], record: list[dict]) -> None:
     """Iterate in lockstep with the other rank until every rank is idle after the last arrival."""
     worker = scheduler.spec_worker
     launch = worker.launch
-    batches: list[tuple[ForwardMode, int]] = []
+    batches: list[tuple[ForwardMode, int, int]] = []
 
     def recorded(batch, *plan_and_tier):
-        batches.append((batch.mode, len(batch.reqs)))
+        alongside = batch.alongside_decode
+        batches.append((batch.mode, len(batch.reqs), len(alongside.reqs) if alongside else 0))
         return launch(batch, *plan_and_tier)
 
     last_arrival = max(r[0] for r in run)
@@ -170,8 +186,8 @@ def _check_gathers(gathers: list[tuple], record: list[dict], dp_rank: int, sizes
             assert rows["draft_extend"] == tuple(b * (steps + 1) for b in bs)
             assert all(planned == tuple(b * topk for b in bs) for kind, planned, _ in trace if kind == "draft_loop")
             assert [kind for kind, _, _ in trace].count("draft_loop") == (steps > 1)
-            mode, num_reqs = r["batch"]
-            assert bs[dp_rank] == (num_reqs if mode == ForwardMode.DECODE else 0)
+            mode, num_reqs, alongside = r["batch"]
+            assert bs[dp_rank] == (num_reqs if mode == ForwardMode.DECODE else alongside)
         if "target_extend" in rows:
             assert rows["draft_extend_prefill"] == rows["target_extend"]
 
@@ -202,11 +218,13 @@ def _rank_main(rank: int, server_args: ServerArgs, port_args: PortArgs, refs: di
     assert any("target_extend" in t and "target_verify" in t for t in traces), "no mixed iteration"
     if scheduler.dp_rank == 1:  # idle for the whole second run
         assert any(r["batch"][0] == ForwardMode.IDLE for r in record), "this rank never idled"
+    if expect["mixed"] and scheduler.dp_rank == 0:  # its prefills came while its requests ran
+        assert any(r["batch"][2] for r in record), "no prefill of this rank carried its running requests' cycle"
     assert scheduler.free_kv_tokens() == scheduler.allocator.size
     results[rank] = scheduler.avg_spec_accept_length()
 
 
-def _run_ranks(model_path: str, refs: dict, **spec_args) -> list[float]:
+def _run_ranks(model_path: str, refs: dict, mixed: bool = False, **spec_args) -> list[float]:
     """Two ranks (--tp 2 --dp 2 --enable-dp-attention); returns each DP rank's accept length."""
     server_args = ServerArgs(
         model_path=model_path,
@@ -217,12 +235,13 @@ def _run_ranks(model_path: str, refs: dict, **spec_args) -> list[float]:
         chunked_prefill_size=CHUNK,
         max_running_requests=4,
         debug_collectives=True,
+        enable_mixed_chunk=mixed,
         **spec_args,
     )
     port_args = PortArgs.init_new(server_args)
     sizes = {k: getattr(server_args, k) for k in CHAIN}
     results = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_rank_main, args=(server_args, port_args, refs, {"sizes": sizes}, results), nprocs=2)
+    mp.spawn(_rank_main, args=(server_args, port_args, refs, {"sizes": sizes, "mixed": mixed}, results), nprocs=2)
     return [results[r] for r in range(2)]
 
 
@@ -234,6 +253,13 @@ def deepseek_reference(tiny_deepseek_v3_dir) -> dict[str, list[int]]:
 @pytest.mark.timeout(300)
 def test_nextn_tree_uneven_load_and_gathered_rows(tiny_deepseek_v3_dir, deepseek_reference):
     _run_ranks(tiny_deepseek_v3_dir, deepseek_reference, speculative_algorithm="NEXTN", **TREE)
+
+
+@pytest.mark.timeout(300)
+def test_nextn_cycles_beside_prefills_under_dp_attention(tiny_deepseek_v3_dir, deepseek_reference):
+    """--enable-mixed-chunk: a rank's prefill queues its running requests' cycle in the same
+    iteration; every rank runs the planned sub-forwards, tokens equal the reference."""
+    _run_ranks(tiny_deepseek_v3_dir, deepseek_reference, mixed=True, speculative_algorithm="NEXTN", **CHAIN)
 
 
 @pytest.mark.timeout(300)

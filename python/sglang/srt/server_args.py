@@ -106,7 +106,7 @@ class ServerArgs:
     enable_mixed_chunk: bool = field(
         default=False,
         metadata=_arg(
-            "Run the running requests' decode step in the same forward as a prefill (each running request extends by its one new token), so they keep producing tokens while new requests are prefilled. Without speculative decoding only (ignored, with a warning, under it)."
+            "Run the running requests' decode step in the same forward as a prefill (each running request extends by its one new token), so they keep producing tokens while new requests are prefilled. Under speculative decoding their decode cycle is queued in the same iteration, right after the prefill."
         ),
     )
     disable_overlap_schedule: bool = field(
@@ -409,11 +409,6 @@ class ServerArgs:
                     raise ValueError(f"{name} needs --speculative-adaptive")
         if self.speculative_algorithm is None:
             return
-        if self.enable_mixed_chunk:
-            logger.warning(
-                "--enable-mixed-chunk is ignored with --speculative-algorithm: a verify cycle does not mix with a prefill"
-            )
-            self.enable_mixed_chunk = False
         for name, value in list(spec_flags.items())[1:]:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

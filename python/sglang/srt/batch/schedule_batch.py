@@ -156,6 +156,9 @@ class ScheduleBatch:
     # Extend with --enable-mixed-chunk: the first rows are running requests extending by their
     # newest token (their decode step), the rest prefill.
     mixed_decode_rows: int = 0
+    # Extend under speculation with --enable-mixed-chunk: the running requests' decode batch,
+    # whose cycle is queued in the same iteration right after the prefill (None: no cycle).
+    alongside_decode: Optional[ScheduleBatch] = None
 
     @classmethod
     def idle(cls) -> ScheduleBatch:

@@ -41,6 +41,9 @@ class LocalPlan:
     num_tokens: int = 0  # rows this rank feeds the model in the main forward
     num_reqs: int = 0
     is_extend: int = 0  # 1 when this rank runs a prefill batch
+    # With a prefill under speculation (--enable-mixed-chunk): the running requests whose decode
+    # cycle is queued in the same iteration.
+    alongside_decode_reqs: int = 0
     has_work: int = 0  # 1 when this rank holds requests (queued, running or in flight)
     prefill_wait: int = 0  # iterations this rank has held prefills (managers/dp_prefill_align.py)
     prompt_logprobs: int = 0  # 1 when this rank's prefill computes prompt logprobs (no prefill graph holds them)
@@ -49,6 +52,11 @@ class LocalPlan:
     # --speculative-adaptive: per draft position, accepted and rejected over this rank's recent
     # verify cycles (speculative/adaptive.py); the same length on every rank. Packed last.
     spec_trials: tuple[int, ...] = ()
+
+    @property
+    def decode_reqs(self) -> int:
+        """Requests whose decode step (or speculative cycle) this rank runs this iteration."""
+        return self.alongside_decode_reqs if self.is_extend else self.num_reqs
 
     @classmethod
     def scalar_names(cls) -> list[str]:

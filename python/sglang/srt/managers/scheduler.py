@@ -50,7 +50,7 @@ from sglang.srt.model_executor.tp_worker import GenerationResult, LaunchedStep, 
 from sglang.srt.sampling.sampler import NAN_TOKEN_ID
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.speculative.adaptive import AdaptiveTiers, figures_of_plan
-from sglang.srt.speculative.eagle_worker import EAGLEWorker, target_runner_setup
+from sglang.srt.speculative.eagle_worker import EAGLEWorker, LaunchedMixed, target_runner_setup
 from sglang.srt.utils.hf_transformers_utils import get_server_tokenizer, resolve_model_path
 from sglang.srt.utils.zmq_utils import shared_context
 
@@ -216,7 +216,8 @@ class Scheduler:
             len(batch.input_ids) if batch else 0,
             plan.global_num_tokens if plan else None,
             bool(self.running),
-            batch is not None and (batch.mode == ForwardMode.DECODE or batch.mixed_decode_rows > 0),
+            batch is not None
+            and (batch.mode == ForwardMode.DECODE or batch.mixed_decode_rows > 0 or batch.alongside_decode is not None),
         )
         previous, self.in_flight = self.in_flight, None
         if batch is not None:
@@ -279,6 +280,7 @@ class Scheduler:
             num_tokens=len(batch.input_ids) if batch else 0,
             num_reqs=len(batch.reqs) if batch else 0,
             is_extend=int(batch is not None and batch.mode == ForwardMode.EXTEND),
+            alongside_decode_reqs=len(batch.alongside_decode.reqs) if batch and batch.alongside_decode else 0,
             has_work=int(self.has_work()),
             prompt_logprobs=int(batch is not None and bool(batch.input_logprob_rows)),
             prefill_wait=self.prefill_hold.report(
@@ -444,16 +446,21 @@ class Scheduler:
         reqs = mixed + adder.reqs
         out_cache_loc = self.kv.assign(reqs, [r.extend_len for r in reqs])
         future = self.in_flight[1].future_tokens() if self.in_flight and mixed else None
-        self.mixed_prefill_batches += bool(mixed)
-        return ScheduleBatch.for_extend(reqs, out_cache_loc, future, mixed_decode_rows=len(mixed))
+        batch = ScheduleBatch.for_extend(reqs, out_cache_loc, future, mixed_decode_rows=len(mixed))
+        if self.spec_worker is not None and self.server_args.enable_mixed_chunk:
+            # The prefill reserved the running requests' cycle slots (reserve_decode above).
+            decodable = self.decodable_running()
+            batch.alongside_decode = ScheduleBatch.for_decode(decodable) if decodable else None
+        self.mixed_prefill_batches += bool(mixed) or batch.alongside_decode is not None
+        return batch
 
     def mixable_running(self) -> list[Req]:
-        """--enable-mixed-chunk: the running requests whose decode step joins the prefill (as
-        for a decode batch, not one whose step in flight may be its last); none when their
-        rows would leave the prefill no token of its budget."""
-        if not self.server_args.enable_mixed_chunk:
+        """--enable-mixed-chunk without speculation: the running requests whose decode step
+        joins the prefill's forward; none when their rows would leave the prefill no token of
+        its budget. (Under speculation their cycle runs beside the prefill: alongside_decode.)"""
+        if not self.server_args.enable_mixed_chunk or self.spec_worker is not None:
             return []
-        reqs = [r for r in self.running if not (r.in_flight and self.may_end_by_length(r))]
+        reqs = self.decodable_running()
         budget = min(self.server_args.max_prefill_tokens, self.chunk_size or self.server_args.max_prefill_tokens)
         return reqs if len(reqs) < budget else []
 
@@ -468,11 +475,15 @@ class Scheduler:
             self.finish(lone)
             self.stream_output([lone])
             return None
-        # A request whose step in flight may be its last (by length) waits for that step.
-        reqs = [r for r in self.running if not (r.in_flight and self.may_end_by_length(r))]
+        reqs = self.decodable_running()
         if not reqs:
             return None
         return ScheduleBatch.for_decode(reqs, self.in_flight[1].future_tokens() if self.in_flight else None)
+
+    def decodable_running(self) -> list[Req]:
+        """The running requests a decode step takes: not one whose step in flight may be its
+        last (by length), which waits for that step."""
+        return [r for r in self.running if not (r.in_flight and self.may_end_by_length(r))]
 
     def may_end_by_length(self, req: Req) -> bool:
         """Whether the request may be done once its steps in flight arrive, whatever their
@@ -502,11 +513,12 @@ class Scheduler:
         else:
             step = self.worker.launch(batch)
         self.forward_started_at = None
-        if step.kv_known_at_launch:
-            for req, written in zip(batch.reqs, step.result.kv_written):
-                req.kv_len += written
-        for i in step.sampled_rows:
-            batch.reqs[i].in_flight += 1
+        for part, part_step in _launched_parts(batch, step):
+            if part_step.kv_known_at_launch:
+                for req, written in zip(part.reqs, part_step.result.kv_written):
+                    req.kv_len += written
+            for i in part_step.sampled_rows:
+                part.reqs[i].in_flight += 1
         return step
 
     def spec_tier(self, batch: ScheduleBatch, plan: Optional[GlobalPlan]) -> Optional[int]:
@@ -517,18 +529,29 @@ class Scheduler:
         if plan is not None:  # every rank's time is the same iteration's: the largest counts
             cycle_us = max(p.spec_cycle_us for p in plan.per_rank)
             return self.adaptive.next_tier(figures_of_plan(plan), cycle_us, decode_only=not plan.any_extend)
-        decode_reqs = len(batch.reqs) if batch.mode == ForwardMode.DECODE else 0
-        return self.adaptive.next_tier(self.adaptive.local_figures(decode_reqs), self.decode_iteration_us)
+        decode = batch if batch.mode == ForwardMode.DECODE else batch.alongside_decode
+        decode_reqs = len(decode.reqs) if decode is not None else 0
+        figures = self.adaptive.local_figures(decode_reqs)
+        return self.adaptive.next_tier(figures, self.decode_iteration_us, decode_only=batch.mode == ForwardMode.DECODE)
 
     def process(self, batch: ScheduleBatch, step: LaunchedStep) -> None:
-        """Wait for the step's tokens and hand them to their requests. A request that finished
-        (or was aborted) while the step ran drops its token."""
+        """Wait for the step's tokens and hand them to their requests (a prefill's and the
+        decode cycle beside it, each to its own batch's). A request that finished (or was
+        aborted) while the step ran drops its token."""
         self.forward_started_at = time.monotonic()
         wait_started = time.perf_counter()
-        result = step.resolve()
+        parts = [(part, part_step, part_step.resolve()) for part, part_step in _launched_parts(batch, step)]
         resolved_at = time.perf_counter()
         self.phases.add("wait", resolved_at - wait_started)
         self.forward_started_at = None
+        out: list[Req] = []
+        for part, part_step, result in parts:
+            out += self.take_results(part, part_step, result)
+        self.stream_output(out)
+        self.phases.add("process", time.perf_counter() - resolved_at)
+
+    def take_results(self, batch: ScheduleBatch, step: LaunchedStep, result: GenerationResult) -> list[Req]:
+        """Hand a resolved step's tokens to its batch's requests; those with output to send."""
         for i in step.sampled_rows:
             batch.reqs[i].in_flight -= 1
         live = [i for i, r in enumerate(batch.reqs) if not r.finished]
@@ -554,8 +577,7 @@ class Scheduler:
                 out.append(req)
             elif req.stream and result.next_token_ids[i] and self.due_for_streaming(req):
                 out.append(req)
-        self.stream_output(out)
-        self.phases.add("process", time.perf_counter() - resolved_at)
+        return out
 
     def due_for_streaming(self, req: Req) -> bool:
         """--stream-interval N: a streaming request's new tokens go out once N have gathered; its
@@ -660,6 +682,7 @@ class Scheduler:
 
     def log_prefill(self, batch: ScheduleBatch) -> None:
         mixed = batch.mixed_decode_rows
+        decoding = mixed or (len(batch.alongside_decode.reqs) if batch.alongside_decode else 0)
         logger.info(
             "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, #running-req: %d, #queue-req: %d%s",
             len(batch.reqs) - mixed,
@@ -668,7 +691,7 @@ class Scheduler:
             self.token_usage(),
             len(self.running),
             len(self.waiting),
-            f", #mixed-decode: {mixed}" if mixed else "",
+            f", #mixed-decode: {decoding}" if decoding else "",
         )
 
     def log_decode(self, batch: ScheduleBatch, result: GenerationResult) -> None:
@@ -768,6 +791,15 @@ class Scheduler:
                     os._exit(1)
 
         threading.Thread(target=watch, daemon=True, name="watchdog").start()
+
+
+def _launched_parts(batch: ScheduleBatch, step) -> list[tuple[ScheduleBatch, LaunchedStep]]:
+    """(batch, step) of each forward an iteration queued: a prefill with its running
+    requests' decode cycle beside it (LaunchedMixed) is two."""
+    if isinstance(step, LaunchedMixed):
+        assert batch.alongside_decode is not None
+        return [(batch, step.prefill), (batch.alongside_decode, step.cycle)]
+    return [(batch, step)]
 
 
 def _input_logprobs(req: Req) -> list[tuple[Optional[float], int]]:

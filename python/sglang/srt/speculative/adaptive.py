@@ -180,7 +180,7 @@ def figures_of_plan(plan: GlobalPlan) -> list[RankFigures]:
     return [
         RankFigures(
             tuple(Trials(*p.spec_trials[i : i + 2]) for i in range(0, len(p.spec_trials), 2)),
-            0 if p.is_extend else p.num_reqs,
+            p.decode_reqs,
         )
         for p in plan.per_rank
     ]

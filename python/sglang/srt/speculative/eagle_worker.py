@@ -127,6 +127,19 @@ class LaunchedCycle:
         return self.finish(self.sizes, self.reqs, self.slots, self.reads.tensors())
 
 
+@dataclass
+class LaunchedMixed:
+    """A prefill and the running requests' decode cycle queued in one iteration
+    (--enable-mixed-chunk): the scheduler processes each with its own batch."""
+
+    prefill: LaunchedStep
+    cycle: LaunchedCycle
+
+    def future_tokens(self) -> None:
+        """The next cycle reads its roots from the request states, not from the scheduler."""
+        return None
+
+
 class EAGLEWorker:
     def __init__(self, server_args: ServerArgs, target_worker: TpModelWorker, gpu_id: int, tp_rank: int):
         self.target = target_worker
@@ -205,27 +218,33 @@ class EAGLEWorker:
 
     def launch(
         self, batch: ScheduleBatch, plan: Optional[GlobalPlan] = None, steps: Optional[int] = None
-    ) -> Union[LaunchedStep, LaunchedCycle]:
+    ) -> Union[LaunchedStep, LaunchedCycle, LaunchedMixed]:
         """Queues this iteration's phases (DP attention: those of every DP rank, from `plan`) at
         the tier of `steps` (default: the largest; every rank passes the same); the batch's own
-        phase does real work, the others run zero-row sub-forwards. A prefill has its tokens at
-        once; a decode cycle's tokens wait in the returned LaunchedCycle."""
+        phases do real work, the others run zero-row sub-forwards. A prefill has its tokens at
+        once; a decode cycle's tokens wait in the returned LaunchedCycle; a prefill with its
+        running requests' cycle (batch.alongside_decode) returns both as a LaunchedMixed."""
         tier = self.tier(steps)
+        extend = batch if batch.mode == ForwardMode.EXTEND else None
+        decode = batch if batch.mode == ForwardMode.DECODE else batch.alongside_decode
         if plan is None:
-            it = SpecIterationPlan.local(batch.mode, len(batch.input_ids), len(batch.reqs), tier.sizes)
+            extend_tokens = len(batch.input_ids) if extend is not None else 0
+            it = SpecIterationPlan.local(extend_tokens, len(decode.reqs) if decode is not None else 0, tier.sizes)
         else:
             it = SpecIterationPlan.from_global(plan, tier.sizes)
         self.trace = []
-        step: Union[LaunchedStep, LaunchedCycle] = LaunchedStep(GenerationResult([], []))
-        if batch.mode == ForwardMode.EXTEND:
-            step = self.forward_extend(batch, it)
+        prefill = cycle = None
+        if extend is not None:
+            prefill = self.forward_extend(extend, it)
         else:
             self._idle(it, it.extend_phase())
-        if batch.mode == ForwardMode.DECODE:
-            step = self.launch_decode(batch, it)
+        if decode is not None:
+            cycle = self.launch_decode(decode, it)
         else:
             self._idle(it, it.decode_phase())
-        return step
+        if prefill is not None and cycle is not None:
+            return LaunchedMixed(prefill, cycle)
+        return prefill or cycle or LaunchedStep(GenerationResult([], []))
 
     def tier(self, steps: Optional[int] = None) -> SpecTier:
         """The tier of `steps` draft steps (default: the largest)."""

@@ -22,7 +22,6 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
-from sglang.srt.batch.forward_batch_info import ForwardMode
 from sglang.srt.distributed.scheduler_comm import GlobalPlan
 
 
@@ -98,16 +97,16 @@ class SpecIterationPlan:
     @classmethod
     def from_global(cls, plan: GlobalPlan, sizes: SpecSizes) -> SpecIterationPlan:
         extend = tuple(p.num_tokens if p.is_extend else 0 for p in plan.per_rank)
-        decode = tuple(0 if p.is_extend else p.num_reqs for p in plan.per_rank)
+        decode = tuple(p.decode_reqs for p in plan.per_rank)
         graph_reqs = plan.prefill_graph_reqs if any(extend) else None
         extend_reqs = None if graph_reqs is None else tuple(n if p.is_extend else 0 for n, p in zip(graph_reqs, plan.per_rank))
         return cls(sizes, extend if any(extend) else None, decode if any(decode) else None, True, extend_reqs)
 
     @classmethod
-    def local(cls, mode: ForwardMode, num_tokens: int, num_reqs: int, sizes: SpecSizes) -> SpecIterationPlan:
-        """One DP group: the phase of this rank's own batch, no gathering."""
-        is_extend = mode == ForwardMode.EXTEND
-        return cls(sizes, (num_tokens,) if is_extend else None, None if is_extend else (num_reqs,), False)
+    def local(cls, extend_tokens: int, decode_reqs: int, sizes: SpecSizes) -> SpecIterationPlan:
+        """One DP group: the phases of this rank's own work (tokens it prefills, requests it
+        decodes; 0: no such phase), no gathering."""
+        return cls(sizes, (extend_tokens,) if extend_tokens else None, (decode_reqs,) if decode_reqs else None, False)
 
     def rows(self, kind: SubForward) -> tuple[int, ...]:
         """Rows each DP rank feeds the model in one sub-forward of this kind (in each forward
