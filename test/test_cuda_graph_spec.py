@@ -15,7 +15,7 @@ import torch
 
 from sglang.srt.batch.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, GraphKey
-from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_executor.model_runner import ModelRunner, greedy_decode
 from sglang.srt.server_args import ServerArgs
 from sglang.test.graph_batches import lengths_agree
 from sglang.test.triton_harness import INTERPRETED, patch_interpreter_for_numpy2
@@ -143,6 +143,20 @@ def test_captured_work_matches_eager_spec(request, case, logprobs):
     assert set(_WorkAsGraph.replays) == _CYCLE_GRAPHS[logprobs]
     if case == "perfect NEXTN chain":
         assert eager_accept == 4.0
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@pytest.mark.parametrize("logprobs", [False, True], ids=["greedy", "logprobs"])
+def test_captured_work_matches_eager_plain_decode(tiny_llama_dir, logprobs):
+    """Plain decode: a greedy batch replays the graph of its forward and argmax (greedy_decode),
+    one that reads its logits (logprobs) the logits graph; the tokens are eager's."""
+    args = _spec_args(tiny_llama_dir)
+    eager_ids, _ = _spec_greedy(args, False, SPEC_PROMPTS, SPEC_MAX_NEW, return_logprob=logprobs)
+    _WorkAsGraph.keys = set()
+    graph_ids, _ = _spec_greedy(args, True, SPEC_PROMPTS, SPEC_MAX_NEW, return_logprob=logprobs)
+    assert graph_ids == eager_ids
+    programs = {key.program for key, _ in _WorkAsGraph.keys if key.mode == ForwardMode.DECODE}
+    assert programs == ({None} if logprobs else {greedy_decode})
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")

@@ -28,6 +28,7 @@ from sglang.srt.mem_cache.memory_pool import (
 from sglang.srt.model_executor.cuda_graph_runner import (
     CapturedMode,
     CudaGraphRunner,
+    ForwardFn,
     GraphCapturableBackend,
     GraphProgram,
     ModeKey,
@@ -35,6 +36,7 @@ from sglang.srt.model_executor.cuda_graph_runner import (
 )
 from sglang.srt.model_executor.prefill_graphs import SERVER_PREFILL_BUCKETS, RaggedTokens, prefill_ragged_tokens
 from sglang.srt.model_loader import get_model
+from sglang.srt.sampling.sampler import greedy_tokens
 from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -71,9 +73,18 @@ def ipc_slot_bytes(args: ServerArgs, local_rows: int, hidden: int, vocab: int, i
     return min(tp_bytes, _IPC_SLOT_CAP_BYTES), min(attn_bytes, _IPC_SLOT_CAP_BYTES)
 
 
-# A plain model's runner: one-token decode, and its prefill (logits of each request's last row).
+def greedy_decode(fb: ForwardBatch, forward: ForwardFn) -> tuple[torch.Tensor]:
+    """A decode forward and its greedy tokens as one program: a batch whose every request
+    takes the argmax of its logits (no logits adjustments, no logprobs) needs nothing else of
+    the step, so its graph replay hands back only the tokens."""
+    return (greedy_tokens(forward(fb).next_token_logits),)
+
+
+# A plain model's runner: one-token decode (logits, or a greedy batch's tokens), and its
+# prefill (logits of each request's last row).
 PLAIN_GRAPH_MODES = {
     ModeKey(ForwardMode.DECODE): CapturedMode(1),
+    ModeKey(ForwardMode.DECODE, greedy_decode): CapturedMode(1),
     ModeKey(ForwardMode.EXTEND): CapturedMode(0, ragged=SERVER_PREFILL_BUCKETS),
 }
 

@@ -20,7 +20,7 @@ from sglang.srt.batch.schedule_batch import FutureTokens, Req, ScheduleBatch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.model_executor.cuda_graph_runner import CapturedMode, ModeKey
-from sglang.srt.model_executor.model_runner import ModelRunner, RunnerShapes
+from sglang.srt.model_executor.model_runner import PLAIN_GRAPH_MODES, ModelRunner, RunnerShapes, greedy_decode
 from sglang.srt.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.transfer import HostCopy, upload
@@ -132,6 +132,12 @@ class TpModelWorker:
         graph_modes: Optional[dict[ModeKey, CapturedMode]] = None,
     ):
         """shapes and graph_modes: the runner's, beyond plain decoding (ModelRunner)."""
+        # Greedy decode batches run forward and argmax as one program (PLAIN_GRAPH_MODES);
+        # not under DP attention, where every DP rank replays the same graph whatever its
+        # requests sample.
+        self.greedy_decode_program = graph_modes is None and not server_args.enable_dp_attention
+        if graph_modes is None and not self.greedy_decode_program:
+            graph_modes = {key: mode for key, mode in PLAIN_GRAPH_MODES.items() if key.program is None}
         self.runner = ModelRunner(
             model_config, server_args, gpu_id, tp_rank, server_args.tp_size, shapes=shapes, graph_modes=graph_modes
         )
@@ -160,6 +166,8 @@ class TpModelWorker:
         """Queue the forward and the sampling without waiting for the device."""
         if batch.mode == ForwardMode.DECODE:
             batch.kv_write = self.kv.assign_next_on_upload(batch.reqs)
+            if self.greedy_decode_program and self.takes_argmax_only(batch.reqs):
+                return self.launch_greedy_decode(batch)
         output = self.runner.forward(batch.to_forward_batch(self.device))
         if batch.mode == ForwardMode.IDLE:
             return LaunchedStep(GenerationResult([], []))
@@ -173,6 +181,21 @@ class TpModelWorker:
         step.input_logprobs = InputLogprobs.launch(batch, output)
         if ready:
             step.sampled = self.launch_sampling(batch.reqs, ready, output)
+        return step
+
+    def takes_argmax_only(self, reqs: list[Req]) -> bool:
+        """Whether each request's token is the argmax of its logits and nothing else of them
+        is read (no penalties, biases, logprobs, or NaN detection)."""
+        if self.sampler.detect_nan:
+            return False
+        return all(r.sampling_params.is_greedy and not r.sampling_params.adjusts_logits and not r.return_logprob for r in reqs)
+
+    def launch_greedy_decode(self, batch: ScheduleBatch) -> LaunchedStep:
+        """A greedy decode batch's forward and argmax as one program (one graph replay)."""
+        (tokens,) = self.runner.run_program(batch.to_forward_batch(self.device), greedy_decode)
+        rows = list(range(len(batch.reqs)))
+        step = LaunchedStep(GenerationResult([[] for _ in batch.reqs], list(batch.extend_lens)))
+        step.sampled = SampledRows(batch.reqs, rows, SampleOutput(tokens), HostCopy(tokens), False)
         return step
 
     def sample_rows(
