@@ -28,7 +28,7 @@ from sglang.srt.model_executor.cuda_graph_runner import (
     ModeKey,
     StaticInputs,
 )
-from sglang.srt.model_executor.model_runner import PLAIN_GRAPH_MODES, ModelRunner
+from sglang.srt.model_executor.model_runner import PLAIN_GRAPH_MODES, ModelRunner, greedy_decode
 from sglang.srt.model_executor.prefill_graphs import (
     RaggedTokens,
     default_token_buckets,
@@ -108,8 +108,9 @@ def test_runners_put_the_server_buckets_in_their_prefill_modes():
     when the flag is off: a plain runner's prefill, a speculative target's (hidden states
     kept) and the draft's extend over the prompt."""
     plain = SimpleNamespace(graph_modes=PLAIN_GRAPH_MODES)
-    assert ModelRunner.captured_modes(plain, None) == {ModeKey(DECODE): CapturedMode(1)}
-    assert ModelRunner.captured_modes(plain, RAGGED) == MODES
+    decode = {ModeKey(DECODE): CapturedMode(1), ModeKey(DECODE, greedy_decode): CapturedMode(1)}
+    assert ModelRunner.captured_modes(plain, None) == decode
+    assert ModelRunner.captured_modes(plain, RAGGED) == {**decode, ModeKey(EXTEND): PREFILL}
     target = SimpleNamespace(graph_modes=target_graph_modes(SpecSizes.tiers(_gpu_args(**_CHAIN))))
     draft = SimpleNamespace(graph_modes=draft_prefill_graph_mode(64, torch.float32))
     target_prefill = ModelRunner.captured_modes(target, RAGGED)[ModeKey(EXTEND)]
