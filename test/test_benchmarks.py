@@ -611,3 +611,29 @@ def test_shared_gpu_validation_workload_and_first_difference():
     diff = validate.first_difference(reference, [[1, 2, 3], [4, 9, 6]], reference, items)
     assert diff == {"run": "staggered", "prompt": 1, "prompt_len": len(items[1][0]), "token": 1, "got": [9, 6], "want": [5, 6]}
     assert validate._log_path_of("Server exited with code 1 (log: /tmp/x.log):\ntail") == "/tmp/x.log"
+
+
+def test_spy_serving_splits_samples_by_process_and_role():
+    """py-spy's raw stacks (--subprocesses): each sample counts for the innermost process of
+    its stack (a command line may hold semicolons), its top line's own time, and every function
+    in it; the entry chain of a process is left out of the callee table."""
+    spy = _load_script("benchmark/spy_serving.py")
+    main = 'process 10:"python3 -m sglang.launch_server --model-path m"'
+    child = 'process 11:"python3 -c from multiprocessing.spawn import spawn_main; spawn_main(pipe_handle=5)"'
+    sched = f"{main};{child};run_scheduler_process (sglang/srt/managers/scheduler_process.py:77)"
+    raw = [
+        f"{sched};Scheduler.launch (sglang/srt/managers/scheduler.py:10);upload (sglang/srt/utils/transfer.py:75) 6\n",
+        f"{sched};Scheduler.launch (sglang/srt/managers/scheduler.py:10) 2\n",
+        f"{sched};Scheduler.process (sglang/srt/managers/scheduler.py:40) 2\n",
+        f"{main};Runner.run (asyncio/runners.py:118) 3\n",
+        "\n",
+    ]
+    processes = spy.parse_raw(raw)
+    assert {p.pid: (p.role, p.samples) for p in processes.values()} == {11: ("scheduler", 10), 10: ("HTTP server", 3)}
+    scheduler = processes[11]
+    assert scheduler.own["upload (sglang/srt/utils/transfer.py:75)"] == 6
+    assert scheduler.within["Scheduler.launch (sglang/srt/managers/scheduler.py)"] == 8
+    text = spy.report(processes, rows=5)
+    assert text.index("== scheduler (pid 11): 10 samples") < text.index("== HTTP server (pid 10): 3 samples")
+    assert " 80.0%  Scheduler.launch (sglang/srt/managers/scheduler.py)" in text
+    assert "run_scheduler_process" not in text.split("with callees")[1].split("==")[0]  # in every sample

@@ -134,6 +134,40 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
       grep -E 'running-req: (3[0-2]|2[89]),.*host us/iter' "$log" | tail -4 | tee -a "$out/summary.log"
     done
     ;;
+  greedy-decode)  # plain greedy decode as one program (forward + argmax in one graph): tokens with graphs equal
+    # eager's, then the trained DeepSeek served at concurrency 32 against the engine whose python/ is $BEFORE_PYTHON
+    step graphs_equal_eager 200 python3 benchmark/bench_cuda_graph.py --skip-timing
+    [ -d "$models/deepseek-v3-mtp" ] || step train_deepseek 200 python3 -m sglang.tools.train_tiny_models --out "$models" \
+      --device cuda --minutes "${MINUTES:-0.6}" --models deepseek
+    if [ -n "${BEFORE_PYTHON:-}" ]; then
+      step greedy_decode_ab 400 python3 benchmark/flag_ab.py --model-path "$models/deepseek-v3-mtp" --variant before= \
+        --engine "before=$BEFORE_PYTHON" --variant after= --rounds 2 --dataset-name file --dataset-path "$models/heldout_prompts.jsonl" \
+        --num-prompts 256 --random-output-len 256 --max-concurrency 32 -- --cuda-graph-max-bs 32 --enable-piecewise-cuda-graph
+      grep -A4 '^| variant' "$out/greedy_decode_ab.log" | tee -a "$out/summary.log"
+    fi
+    ;;
+  spec-mixed)  # the trained DeepSeek at concurrency 32: plain, NEXTN 3/1/4, and NEXTN 3/1/4 whose cycles run
+    # beside prefills (--enable-mixed-chunk)
+    [ -d "$models/deepseek-v3-mtp" ] || step train_deepseek 200 python3 -m sglang.tools.train_tiny_models --out "$models" \
+      --device cuda --minutes "${MINUTES:-0.6}" --models deepseek
+    step spec_mixed 500 python3 benchmark/flag_ab.py --model-path "$models/deepseek-v3-mtp" --variant plain= \
+      --variant nextn="$nextn_3_1_4" --variant nextn_mixed="$nextn_3_1_4 --enable-mixed-chunk" --rounds 2 \
+      --dataset-name file --dataset-path "$models/heldout_prompts.jsonl" --num-prompts 256 --random-output-len 256 \
+      --max-concurrency 32 -- --cuda-graph-max-bs 32 --enable-piecewise-cuda-graph
+    grep -A5 '^| variant' "$out/spec_mixed.log" | tee -a "$out/summary.log"
+    ;;
+  serving-spy)  # where each server process spends its CPU at concurrency 32 (py-spy, from stage_wheels.sh):
+    # the small DeepSeek's shape with random weights, plain and NEXTN 3/1/4
+    dir=$(python3 -c "import sys; sys.path.insert(0, 'benchmark'); from bench_decode import dummy_model_dir; print(dummy_model_dir('benchmark/configs/deepseek-v3-small-mtp.json'))")
+    spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)  # env.sh installs the wheels into /tmp/site
+    for spec in plain nextn_3_1_4; do
+      flags=${!spec:-}  # the variable of that name (none for plain)
+      # shellcheck disable=SC2086
+      step "serving_spy_$spec" 200 python3 benchmark/spy_serving.py --py-spy "$spy" --model-path "$dir" --duration 8 --rows 30 \
+        --dataset-name random --random-input-len 256 --random-output-len 256 --random-range-ratio 1 --num-prompts 768 \
+        --max-concurrency 32 -- --load-format dummy --cuda-graph-max-bs 32 --enable-piecewise-cuda-graph $flags
+    done
+    ;;
   smollm2-c64)  # SmolLM2-135M shape, random 256 in / 128 out at concurrency 64, against the engine
     # whose python/ is $BEFORE_PYTHON (e.g. `git archive COMMIT python | tar -x -C DIR`, carried along)
     if [ -z "${BEFORE_PYTHON:-}" ]; then
@@ -186,6 +220,6 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     step collectives_nccl 150 python3 benchmark/kernels/bench_collectives.py --world "${WORLD:-2}" --gpu-id-step 1 \
       --jsonl "$out/collectives.jsonl"
     ;;
-  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|serving-profile|serving-phases|smollm2-c64|graphs|prefill-graphs|shared-gpu|collectives"; exit 2 ;;
+  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|serving-profile|serving-phases|greedy-decode|spec-mixed|serving-spy|smollm2-c64|graphs|prefill-graphs|shared-gpu|collectives"; exit 2 ;;
 esac
 done
