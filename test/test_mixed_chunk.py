@@ -5,9 +5,11 @@ float32; outputs compared with the same requests run without mixing)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 
-from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
@@ -31,9 +33,12 @@ def _scheduler(path: str, mixed: bool, overlap: bool = True, **kw) -> Scheduler:
     return start_scheduler(args)
 
 
-def _run(scheduler: Scheduler, logprobs: bool = False) -> tuple[dict[str, list[int]], list[int], dict[str, list[float]]]:
+def _run(
+    scheduler: Scheduler, logprobs: bool = False, aborts: Optional[dict[str, int]] = None
+) -> tuple[dict[str, list[int]], list[int], dict[str, list[float]]]:
     """Final output ids per request, the mixed decode rows of every extend batch launched, and
-    the prompt logprobs per request (with `logprobs`: from position 0)."""
+    the prompt logprobs per request (with `logprobs`: from position 0); aborts[rid]: the
+    iteration at which rid is aborted."""
     mixed_rows: list[int] = []
     launch = scheduler.worker.launch
 
@@ -54,6 +59,9 @@ def _run(scheduler: Scheduler, logprobs: bool = False) -> tuple[dict[str, list[i
                     TokenizedGenerateReqInput(f"r{i}", None, prompt, params, return_logprob=logprobs, logprob_start_len=start)
                 )
                 reqs[f"r{i}"] = next(r for r in scheduler.waiting if r.rid == f"r{i}")
+        for rid, at in (aborts or {}).items():
+            if it == at:
+                scheduler.handle_message(AbortReq(rid))
         scheduler.run_iteration()
         if len(finished) == len(ARRIVALS) and not (scheduler.running or scheduler.waiting or scheduler.in_flight):
             prompt_logprobs = {rid: [round(lp, 5) for lp, _ in r.input_token_logprobs] for rid, r in reqs.items()}
@@ -134,9 +142,12 @@ def test_no_mixing_when_running_rows_would_take_most_of_the_chunk(tiny_llama_dir
     assert [len(got[f"r{i}"]) for i in range(len(ARRIVALS))] == [n for _, _, n in ARRIVALS]
 
 
-def _spec_run(path: str, spec: dict, mixed: bool, **kw) -> tuple[dict[str, list[int]], list[tuple[int, int]], Scheduler]:
-    """ARRIVALS through a speculative scheduler: final output ids, and per prefill launched
-    while requests ran, (running requests, requests whose cycle rode along)."""
+def _spec_run(
+    path: str, spec: dict, mixed: bool, logprobs: bool = False, aborts: Optional[dict[str, int]] = None, **kw
+) -> tuple[dict[str, list[int]], list[tuple[int, int]], Scheduler, dict[str, list[float]]]:
+    """ARRIVALS through a speculative scheduler: final output ids, per prefill launched while
+    requests ran (running requests, requests whose cycle rode along), the scheduler, and the
+    prompt logprobs (with `logprobs`)."""
     scheduler = _scheduler(path, mixed=mixed, **spec, **kw)
     launch = scheduler.worker.launch
     beside: list[tuple[int, int]] = []
@@ -148,8 +159,8 @@ def _spec_run(path: str, spec: dict, mixed: bool, **kw) -> tuple[dict[str, list[
         return launch(batch, *args)
 
     scheduler.worker.launch = traced
-    got, _, _ = _run(scheduler)
-    return got, beside, scheduler
+    got, _, prompt_logprobs = _run(scheduler, logprobs, aborts)
+    return got, beside, scheduler, prompt_logprobs
 
 
 NEXTN = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
@@ -167,9 +178,9 @@ def test_speculative_cycles_beside_prefills_equal_unmixed(tiny_deepseek_v3_dir, 
     kw = {"disable_overlap_schedule": not overlap}
     if chunked_prefill_size is not None:
         kw["chunked_prefill_size"] = chunked_prefill_size
-    expected, unmixed, plain = _spec_run(tiny_deepseek_v3_dir, NEXTN, mixed=False, **kw)
+    expected, unmixed, plain, _ = _spec_run(tiny_deepseek_v3_dir, NEXTN, mixed=False, **kw)
     assert len(unmixed) >= 3 and not any(n for _, n in unmixed)
-    got, beside, scheduler = _spec_run(tiny_deepseek_v3_dir, NEXTN, mixed=True, **kw)
+    got, beside, scheduler, _ = _spec_run(tiny_deepseek_v3_dir, NEXTN, mixed=True, **kw)
     assert got == expected
     assert [len(got[f"r{i}"]) for i in range(len(ARRIVALS))] == [n for _, _, n in ARRIVALS]
     assert beside and all(n >= 1 for _, n in beside), beside
@@ -181,10 +192,42 @@ def test_speculative_cycles_beside_prefills_equal_unmixed(tiny_deepseek_v3_dir, 
     _assert_all_kv_free(scheduler)
 
 
+def test_adaptive_cycles_beside_prefills_equal_unmixed(tiny_deepseek_v3_dir):
+    """--speculative-adaptive with tiers forced to change (1 and 3 steps): cycles of either tier
+    ride along with prefills, chunked ones included."""
+    spec = dict(NEXTN, speculative_adaptive=True, speculative_adaptive_steps="1,3", speculative_adaptive_schedule="3:2,1:3")
+    expected, _, _, _ = _spec_run(tiny_deepseek_v3_dir, spec, mixed=False, chunked_prefill_size=8)
+    got, beside, scheduler, _ = _spec_run(tiny_deepseek_v3_dir, spec, mixed=True, chunked_prefill_size=8)
+    assert got == expected
+    assert beside and all(n >= 1 for _, n in beside)
+    _assert_all_kv_free(scheduler)
+
+
+def test_prompt_logprobs_and_sub_forward_cycles_beside_prefills(tiny_deepseek_v3_dir):
+    """Logprobs make each cycle run sub-forward by sub-forward (the host accepts between verify
+    and draft extend) beside a prefill computing prompt logprobs: both equal unmixed."""
+    expected, _, _, expected_logprobs = _spec_run(tiny_deepseek_v3_dir, NEXTN, mixed=False, logprobs=True, chunked_prefill_size=8)
+    got, beside, scheduler, logprobs = _spec_run(tiny_deepseek_v3_dir, NEXTN, mixed=True, logprobs=True, chunked_prefill_size=8)
+    assert got == expected and beside
+    assert logprobs == expected_logprobs
+    _assert_all_kv_free(scheduler)
+
+
+def test_abort_while_a_cycle_runs_beside_a_prefill(tiny_deepseek_v3_dir):
+    """r0 is aborted in the iteration r2's chunked prompt starts (its cycle beside that prefill,
+    in flight): it ends with a prefix of its tokens, the others are unchanged, no KV leaks."""
+    expected, _, _, _ = _spec_run(tiny_deepseek_v3_dir, NEXTN, mixed=False, chunked_prefill_size=8)
+    got, beside, scheduler, _ = _spec_run(tiny_deepseek_v3_dir, NEXTN, mixed=True, aborts={"r0": 4}, chunked_prefill_size=8)
+    assert beside
+    assert got["r0"] == expected["r0"][: len(got["r0"])] and len(got["r0"]) < len(expected["r0"])
+    assert {rid: ids for rid, ids in got.items() if rid != "r0"} == {rid: ids for rid, ids in expected.items() if rid != "r0"}
+    _assert_all_kv_free(scheduler)
+
+
 def test_eagle_cycles_beside_prefills_equal_unmixed(tiny_llama_dir, tiny_llama_eagle_head_dir):
     spec = {**EAGLE_1_1_2, "speculative_draft_model_path": tiny_llama_eagle_head_dir}
-    expected, _, _ = _spec_run(tiny_llama_dir, spec, mixed=False, chunked_prefill_size=8)
-    got, beside, scheduler = _spec_run(tiny_llama_dir, spec, mixed=True, chunked_prefill_size=8)
+    expected, _, _, _ = _spec_run(tiny_llama_dir, spec, mixed=False, chunked_prefill_size=8)
+    got, beside, scheduler, _ = _spec_run(tiny_llama_dir, spec, mixed=True, chunked_prefill_size=8)
     assert got == expected
     assert beside and all(n >= 1 for _, n in beside)
     _assert_all_kv_free(scheduler)
