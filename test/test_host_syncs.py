@@ -105,3 +105,29 @@ def test_speculative_prefill_is_queued_without_reading_the_device(tiny_llama_dir
         scheduler.run_iteration()
     assert _reads_outside_reference_attention(resolving) == 1, resolving.sites
     assert all(len(r.output_ids) == 1 for r in scheduler.running)
+
+
+def test_a_request_ending_while_a_step_is_in_flight_is_released_without_waiting(tiny_llama_dir):
+    """With overlap scheduling the next step is queued when a request ends: reading its table
+    row back at once would wait for that step (on a GPU). The read is queued instead and
+    completed in the next iteration, after that step is resolved: only then do its slots and
+    row return."""
+    scheduler = start_scheduler(_args(tiny_llama_dir))
+    for i, n in enumerate((3, 12)):
+        params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+        scheduler.handle_message(TokenizedGenerateReqInput(f"r{i}", None, [5 + i, 17, 42, 99, 7], params))
+    free_rows = scheduler.req_to_token_pool.available_size()
+    finished = scheduler.send_to_detokenizer.finished
+    while "r0" not in finished:
+        with SyncCounter(trace=True) as c:
+            scheduler.run_iteration()
+    assert scheduler.in_flight is not None and scheduler.kv.pending_reads, "r0 ended with the next step queued"
+    assert not [site for site in c.sites if site.split(" @ ")[1].startswith("srt/batch/req_kv.py")], c.sites
+    rows_while_pending = scheduler.req_to_token_pool.available_size()
+    scheduler.run_iteration()  # resolves the step in flight, then completes r0's release
+    assert scheduler.req_to_token_pool.available_size() == rows_while_pending + 1 == free_rows - 1  # r1 holds one
+    while "r1" not in finished or scheduler.has_work():
+        scheduler.run_iteration()
+    assert not scheduler.kv.pending_reads
+    assert scheduler.free_kv_tokens() == scheduler.allocator.size
+    assert scheduler.req_to_token_pool.available_size() == scheduler.max_running_requests

@@ -2,17 +2,27 @@
 
 Invariant: for a request with a row, req_to_token[row, :req.kv_len] are slots whose KV is
 written; slots [0, cache_prefix_len) belong to the prefix cache, the rest to the request.
+
+The table lives on the device. Reading a request's slots back (to cache or free them when it
+ends or is cut short) would wait for the step in flight, which overlap scheduling has already
+queued, and leave the device idle until the host launches the next one. So those reads are
+queued without waiting (`pending_reads`) and completed later by `complete_reads`, once the
+steps queued before them have been waited for anyway: until then the slots stay taken and the
+row stays out of the free list.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Optional
 
 import torch
 
 from sglang.srt.batch.schedule_batch import Req
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool, TableWrite, TokenToKVPoolAllocator
 from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.utils.transfer import HostCopy
 
 
 class ReqKVManager:
@@ -25,6 +35,8 @@ class ReqKVManager:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.tree_cache = tree_cache
+        # Table spans on their way to the host, each with what is done with it there.
+        self.pending_reads: list[tuple[HostCopy, Callable[[torch.Tensor], None]]] = []
 
     def free_kv_tokens(self) -> int:
         evictable = self.tree_cache.evictable_size if self.tree_cache else 0
@@ -62,9 +74,10 @@ class ReqKVManager:
         return self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end]
 
     def truncate(self, req: Req, new_kv_len: int) -> None:
-        """Free the request-owned slots past new_kv_len (tokens dropped after a stop)."""
+        """Free the request-owned slots past new_kv_len (tokens dropped after a stop), once
+        read back (complete_reads)."""
         if new_kv_len < req.kv_len:
-            self.allocator.free(self.slots_of(req, max(new_kv_len, req.cache_prefix_len), req.kv_len))
+            self._read_later(self.slots_of(req, max(new_kv_len, req.cache_prefix_len), req.kv_len), self.allocator.free)
             req.kv_len = new_kv_len
 
     def claim(self, req: Req) -> None:
@@ -89,16 +102,32 @@ class ReqKVManager:
         req.cached_tokens, req.last_node, req.prefix_slots = len(slots), node, slots
 
     def release(self, req: Req) -> None:
-        """Return a finished/aborted/retracted request's KV to the prefix cache or the allocator."""
+        """Return a finished/aborted/retracted request's KV to the prefix cache or the allocator,
+        and its row to the table, once its slots are read back (complete_reads); the request
+        holds neither from now on."""
         if req.req_pool_idx is None:
             return
-        slots = self.slots_of(req, 0, req.kv_len).to("cpu")
+        done = partial(self._release_slots, req.req_pool_idx, req.all_ids[: req.kv_len], req.cache_prefix_len, req.last_node)
+        self._read_later(self.slots_of(req, 0, req.kv_len), done)
+        req.req_pool_idx, req.last_node = None, None
+
+    def _release_slots(self, row: int, ids: list[int], cache_prefix_len: int, last_node: Any, slots: torch.Tensor) -> None:
         if self.tree_cache is not None:
-            cached = self.tree_cache.insert(req.all_ids[: req.kv_len], slots)
-            self.allocator.free(slots[req.cache_prefix_len : cached])
-            if req.last_node is not None:
-                self.tree_cache.dec_lock_ref(req.last_node)
+            cached = self.tree_cache.insert(ids, slots)
+            self.allocator.free(slots[cache_prefix_len:cached])
+            if last_node is not None:
+                self.tree_cache.dec_lock_ref(last_node)
         else:
             self.allocator.free(slots)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx, req.last_node = None, None
+        self.req_to_token_pool.free(row)
+
+    def _read_later(self, device_slots: torch.Tensor, then: Callable[[torch.Tensor], None]) -> None:
+        self.pending_reads.append((HostCopy(device_slots), then))
+
+    def complete_reads(self) -> None:
+        """Finish the releases and truncations queued so far. Their copies wait for every step
+        queued before them: call this once those steps were waited for (after resolving the
+        step in flight, before anything of this iteration is released), or with none in flight."""
+        pending, self.pending_reads = self.pending_reads, []
+        for copy, then in pending:
+            then(copy.tensors()[0])

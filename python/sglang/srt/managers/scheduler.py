@@ -193,7 +193,7 @@ class Scheduler:
             self.heartbeat.beat()
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self.in_flight)
+        return bool(self.waiting or self.running or self.chunked_req or self.in_flight or self.kv.pending_reads)
 
     def run_iteration(self) -> None:
         self.iterations += 1
@@ -231,6 +231,8 @@ class Scheduler:
             self.process(*previous)
         if not self.overlap:
             self.finish_in_flight()
+        if self.in_flight is None:  # nothing queued after the pending reads: they arrive at once
+            self.kv.complete_reads()
         if self.load_reporter is not None:
             self.load_reporter.count_received(msgs)
             self.load_reporter.report(self.waiting + self.running + ([self.chunked_req] if self.chunked_req else []))
@@ -466,8 +468,11 @@ class Scheduler:
 
     def get_decode_batch(self) -> Optional[ScheduleBatch]:
         need = self.worker.decode_kv_need_per_req()
-        while self.free_kv_tokens() < need * len(self.running) and len(self.running) > 1:
-            self.retract(self.running[-1])
+        while self.free_kv_tokens() < need * len(self.running) and (self.kv.pending_reads or len(self.running) > 1):
+            if self.kv.pending_reads:  # first take back what ended requests hold (waits for the step in flight)
+                self.kv.complete_reads()
+            else:
+                self.retract(self.running[-1])
         lone = self.running[0] if self.running else None
         if lone is not None and not lone.in_flight and self.free_kv_tokens() < need:
             # Nothing left to retract: the one request has outgrown the KV pool.
@@ -541,6 +546,7 @@ class Scheduler:
         self.forward_started_at = time.monotonic()
         wait_started = time.perf_counter()
         parts = [(part, part_step, part_step.resolve()) for part, part_step in _launched_parts(batch, step)]
+        self.kv.complete_reads()  # queued before the step just launched: done with this one
         resolved_at = time.perf_counter()
         self.phases.add("wait", resolved_at - wait_started)
         self.forward_started_at = None
@@ -738,6 +744,7 @@ class Scheduler:
     def flush_cache(self) -> bool:
         if self.running or self.waiting or self.chunked_req:
             return False
+        self.kv.complete_reads()
         if self.tree_cache is not None:
             self.tree_cache.reset()
         self.allocator.clear()
