@@ -546,7 +546,7 @@ class Scheduler:
         self.forward_started_at = time.monotonic()
         wait_started = time.perf_counter()
         parts = [(part, part_step, part_step.resolve()) for part, part_step in _launched_parts(batch, step)]
-        self.kv.complete_reads()  # queued before the step just launched: done with this one
+        self.kv.complete_reads()  # queued before this iteration's launch: behind the steps just waited for
         resolved_at = time.perf_counter()
         self.phases.add("wait", resolved_at - wait_started)
         self.forward_started_at = None
