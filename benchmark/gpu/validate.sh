@@ -23,6 +23,13 @@ smollm2="${SMOLLM2_GGUF:-/tmp/smollm2.gguf}"
 nextn_3_1_4="--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
 nextn_1_1_2="--speculative-algorithm NEXTN --speculative-num-steps 1 --speculative-eagle-topk 1 --speculative-num-draft-tokens 2"
 models="${MODELS:-/tmp/bench_models}"
+trained_deepseek() {  # trained_deepseek MINUTES: train the small DeepSeek into $models unless it is there ($MINUTES wins)
+  [ -d "$models/deepseek-v3-mtp" ] || step train_deepseek 200 python3 -m sglang.tools.train_tiny_models --out "$models" \
+    --device cuda --minutes "${MINUTES:-$1}" --models deepseek
+}
+dummy_dir() {  # dummy_dir CONFIG: a directory with CONFIG and a tokenizer, for --load-format dummy
+  python3 -c "import sys; sys.path.insert(0, 'benchmark'); from bench_decode import dummy_model_dir; print(dummy_model_dir(sys.argv[1]))" "$1"
+}
 [ $# -gt 0 ] || set -- usage
 for stage in "$@"; do
 case "$stage" in
@@ -44,8 +51,7 @@ case "$stage" in
     step bench_launch 60 python3 benchmark/kernels/bench_launch.py
     step small_deepseek_eager 120 python3 benchmark/bench_decode.py --config benchmark/configs/deepseek-v3-small-mtp.json \
       --batch-sizes 1 --repeats 3 -- --disable-cuda-graph
-    small_dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmark"); from bench_decode import dummy_model_dir
-print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
+    small_dir=$(dummy_dir benchmark/configs/deepseek-v3-small-mtp.json)
     step small_deepseek_prefill 90 python3 -m sglang.bench_one_batch --model-path "$small_dir" --load-format dummy \
       --batch-size 1 32 --input-len 276 --output-len 8
     ;;
@@ -95,8 +101,7 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     ;;
   nextn-serving)  # the trained DeepSeek (trained here when $MODELS lacks it): prefill cost, then
     # the speculative sweep at concurrency 1 and 32 ($SWEEP_FLAGS go to every server too)
-    [ -d "$models/deepseek-v3-mtp" ] || step train_deepseek 200 python3 -m sglang.tools.train_tiny_models --out "$models" \
-      --device cuda --minutes "${MINUTES:-1.8}" --models deepseek
+    trained_deepseek 1.8
     [ -f "$out/prefill_cost.log" ] || step prefill_cost 90 python3 -m sglang.bench_one_batch --model-path "$models/deepseek-v3-mtp" --batch-size 1 32 \
       --input-len 276 --output-len 8
     # shellcheck disable=SC2086
@@ -108,8 +113,7 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     ;;
   serving-profile)  # the trained DeepSeek served at concurrency 32, plain and NEXTN 3/1/4, under the
     # profiler: device busy time and idle gaps per iteration while serving (issue 26)
-    [ -d "$models/deepseek-v3-mtp" ] || step train_deepseek 200 python3 -m sglang.tools.train_tiny_models --out "$models" \
-      --device cuda --minutes "${MINUTES:-0.6}" --models deepseek
+    trained_deepseek 0.6
     for variant in plain nextn; do
       spec=""; [ "$variant" = nextn ] && spec=$nextn_3_1_4
       # shellcheck disable=SC2086
@@ -121,8 +125,7 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     ;;
   serving-phases)  # the trained DeepSeek served at concurrency 32, plain and NEXTN 3/1/4, without the
     # profiler: each server's host phases per iteration (the decode log line's `host us/iter`)
-    [ -d "$models/deepseek-v3-mtp" ] || step train_deepseek 200 python3 -m sglang.tools.train_tiny_models --out "$models" \
-      --device cuda --minutes "${MINUTES:-0.6}" --models deepseek
+    trained_deepseek 0.6
     rm -f /tmp/sglang-server-*.log
     # shellcheck disable=SC2086
     step serving_phases 300 python3 benchmark/spec_sweep.py --model-path "$models/deepseek-v3-mtp" \
@@ -137,8 +140,7 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
   greedy-decode)  # plain greedy decode as one program (forward + argmax in one graph): tokens with graphs equal
     # eager's, then the trained DeepSeek served at concurrency 32 against the engine whose python/ is $BEFORE_PYTHON
     step graphs_equal_eager 200 python3 benchmark/bench_cuda_graph.py --skip-timing
-    [ -d "$models/deepseek-v3-mtp" ] || step train_deepseek 200 python3 -m sglang.tools.train_tiny_models --out "$models" \
-      --device cuda --minutes "${MINUTES:-0.6}" --models deepseek
+    trained_deepseek 0.6
     if [ -n "${BEFORE_PYTHON:-}" ]; then
       step greedy_decode_ab 400 python3 benchmark/flag_ab.py --model-path "$models/deepseek-v3-mtp" --variant before= \
         --engine "before=$BEFORE_PYTHON" --variant after= --rounds 2 --dataset-name file --dataset-path "$models/heldout_prompts.jsonl" \
@@ -148,8 +150,7 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     ;;
   spec-mixed)  # the trained DeepSeek at concurrency 32: plain, NEXTN 3/1/4, and NEXTN 3/1/4 whose cycles run
     # beside prefills (--enable-mixed-chunk)
-    [ -d "$models/deepseek-v3-mtp" ] || step train_deepseek 200 python3 -m sglang.tools.train_tiny_models --out "$models" \
-      --device cuda --minutes "${MINUTES:-0.6}" --models deepseek
+    trained_deepseek 0.6
     step spec_mixed 500 python3 benchmark/flag_ab.py --model-path "$models/deepseek-v3-mtp" --variant plain= \
       --variant nextn="$nextn_3_1_4" --variant nextn_mixed="$nextn_3_1_4 --enable-mixed-chunk" --rounds 2 \
       --dataset-name file --dataset-path "$models/heldout_prompts.jsonl" --num-prompts 256 --random-output-len 256 \
@@ -158,7 +159,7 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     ;;
   serving-spy)  # where each server process spends its CPU at concurrency 32 (py-spy, from stage_wheels.sh):
     # the small DeepSeek's shape with random weights, plain and NEXTN 3/1/4
-    dir=$(python3 -c "import sys; sys.path.insert(0, 'benchmark'); from bench_decode import dummy_model_dir; print(dummy_model_dir('benchmark/configs/deepseek-v3-small-mtp.json'))")
+    dir=$(dummy_dir benchmark/configs/deepseek-v3-small-mtp.json)
     spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)  # env.sh installs the wheels into /tmp/site
     for spec in plain nextn_3_1_4; do
       flags=${!spec:-}  # the variable of that name (none for plain)
@@ -173,7 +174,7 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     if [ -z "${BEFORE_PYTHON:-}" ]; then
       echo "=== smollm2_c64: skipped, BEFORE_PYTHON (the previous engine's python/) unset" | tee -a "$out/summary.log"
     else
-      dir=$(python3 -c "import sys; sys.path.insert(0, 'benchmark'); from bench_decode import dummy_model_dir; print(dummy_model_dir('benchmark/configs/smollm2-135m.json'))")
+      dir=$(dummy_dir benchmark/configs/smollm2-135m.json)
       step smollm2_c64 400 python3 benchmark/flag_ab.py --model-path "$dir" --variant before= --engine "before=$BEFORE_PYTHON" \
         --variant after= --rounds 2 --dataset-name random --random-input-len 256 --random-output-len 128 --random-range-ratio 1 \
         --num-prompts 256 --max-concurrency 64 --output-file "$out/smollm2_c64.json" -- --load-format dummy --cuda-graph-max-bs 64
@@ -200,8 +201,7 @@ print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
     # DP attention with NEXTN, ranks sharing the GPU: prefill graphs replayed by every rank, tokens exact
     step prefill_graphs_dp 450 python3 benchmark/gpu/validate_shared_gpu.py --out "$out" --parallel tp2dp2 --checks exact \
       --specs chain --modes prefill-graphs
-    small_dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmark"); from bench_decode import dummy_model_dir
-print(dummy_model_dir("benchmark/configs/deepseek-v3-small-mtp.json"))')
+    small_dir=$(dummy_dir benchmark/configs/deepseek-v3-small-mtp.json)
     for flags in "" "--enable-piecewise-cuda-graph"; do
       # shellcheck disable=SC2086
       step "small_deepseek_prefill${flags:+_graphs}" 90 python3 -m sglang.bench_one_batch --model-path "$small_dir" \
