@@ -160,6 +160,12 @@ class ScheduleBatch:
     # whose cycle is queued in the same iteration right after the prefill (None: no cycle).
     alongside_decode: Optional[ScheduleBatch] = None
 
+    @property
+    def decode_part(self) -> Optional[ScheduleBatch]:
+        """The batch whose requests take a decode step (or speculative cycle) of their own this
+        iteration: this one when it decodes, a prefill's alongside_decode, else None."""
+        return self if self.mode == ForwardMode.DECODE else self.alongside_decode
+
     @classmethod
     def idle(cls) -> ScheduleBatch:
         """No local requests; still runs the forward so that every collective is issued."""

@@ -534,7 +534,7 @@ class Scheduler:
         if plan is not None:  # every rank's time is the same iteration's: the largest counts
             cycle_us = max(p.spec_cycle_us for p in plan.per_rank)
             return self.adaptive.next_tier(figures_of_plan(plan), cycle_us, decode_only=not plan.any_extend)
-        decode = batch if batch.mode == ForwardMode.DECODE else batch.alongside_decode
+        decode = batch.decode_part
         decode_reqs = len(decode.reqs) if decode is not None else 0
         figures = self.adaptive.local_figures(decode_reqs)
         return self.adaptive.next_tier(figures, self.decode_iteration_us, decode_only=batch.mode == ForwardMode.DECODE)

@@ -226,7 +226,7 @@ class EAGLEWorker:
         running requests' cycle (batch.alongside_decode) returns both as a LaunchedMixed."""
         tier = self.tier(steps)
         extend = batch if batch.mode == ForwardMode.EXTEND else None
-        decode = batch if batch.mode == ForwardMode.DECODE else batch.alongside_decode
+        decode = batch.decode_part
         if plan is None:
             extend_tokens = len(batch.input_ids) if extend is not None else 0
             it = SpecIterationPlan.local(extend_tokens, len(decode.reqs) if decode is not None else 0, tier.sizes)
@@ -378,7 +378,7 @@ class EAGLEWorker:
 
     def _whole_cycle(self, reqs: list[Req]) -> bool:
         """Whether the verify's argmax decides the cycle and the host reads only its outcome."""
-        return not self.detect_nan and _greedy_without_penalties(reqs) and not any(r.return_logprob for r in reqs)
+        return self.target.takes_argmax_only(reqs)
 
     def _sub_forward(self, it: SpecIterationPlan, kind: SubForward, fb: ForwardBatch) -> tuple[torch.Tensor, ...]:
         runner = self.target.runner if kind in _TARGET_SUB_FORWARDS else self.draft_runner
