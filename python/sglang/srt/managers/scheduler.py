@@ -216,8 +216,7 @@ class Scheduler:
             len(batch.input_ids) if batch else 0,
             plan.global_num_tokens if plan else None,
             bool(self.running),
-            batch is not None
-            and (batch.mode == ForwardMode.DECODE or batch.mixed_decode_rows > 0 or batch.alongside_decode is not None),
+            batch is not None and (batch.decode_part is not None or batch.mixed_decode_rows > 0),
         )
         previous, self.in_flight = self.in_flight, None
         if batch is not None:
