@@ -49,8 +49,14 @@ def timed_generate(engine: sgl.Engine, prompts: list[list[int]], out_len: int) -
     return elapsed, outs[0]["meta_info"].get("spec_verify_ct", 0)
 
 
+def synthetic_prompts(batch_size: int, input_len: int) -> list[list[int]]:
+    """Distinct token-id prompts within every benchmark tokenizer's vocabulary (the dummy
+    models' tokenizer has 384 tokens)."""
+    return [[10 + (i * 7 + j) % 290 for j in range(input_len)] for i in range(batch_size)]
+
+
 def bench(engine: sgl.Engine, batch_size: int, input_len: int, out_len: int, repeats: int) -> dict:
-    prompts = [[10 + (i * 7 + j) % 290 for j in range(input_len)] for i in range(batch_size)]
+    prompts = synthetic_prompts(batch_size, input_len)
     timed_generate(engine, prompts, 8)  # warm-up at this batch size
     per_token, per_cycle = [], []
     for _ in range(repeats):

@@ -61,7 +61,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode import dummy_model_dir
+from bench_decode import dummy_model_dir, synthetic_prompts
 
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
@@ -227,8 +227,7 @@ def make_scheduler(server_args: ServerArgs, graph_standin: bool, clock: Callable
 
 def start_decoding(scheduler: Scheduler, batch_size: int, input_len: int, max_new: int, stream: bool, tag: str) -> None:
     """Submit the batch and iterate until every request decodes (prefill done, tokens flowing)."""
-    for i in range(batch_size):
-        prompt = [10 + (i * 7 + j) % 290 for j in range(input_len)]
+    for i, prompt in enumerate(synthetic_prompts(batch_size, input_len)):
         params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
         scheduler.handle_message(TokenizedGenerateReqInput(f"{tag}-{i}", None, prompt, params, stream=stream))
     while scheduler.waiting or scheduler.chunked_req or len(scheduler.running) < batch_size:

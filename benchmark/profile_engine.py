@@ -21,7 +21,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode import dummy_model_dir
+from bench_decode import dummy_model_dir, synthetic_prompts
 from trace_summary import load_events, summarize
 
 import sglang as sgl
@@ -46,7 +46,7 @@ def main() -> None:
     dummy = ["--load-format", "dummy"] if args.config else []
     server_args = prepare_server_args(["--model-path", model_path, *dummy, *engine_argv])
     out_dir = args.output_dir or tempfile.mkdtemp(prefix="profile-")
-    prompts = [[(7 * b + i) % 1000 + 10 for i in range(args.input_len)] for b in range(args.batch_size)]
+    prompts = synthetic_prompts(args.batch_size, args.input_len)
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
     with sgl.Engine(**vars(server_args)) as engine:
         engine.generate(input_ids=prompts, sampling_params=params)  # warm-up (kernel compilation)
