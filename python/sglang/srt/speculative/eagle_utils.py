@@ -194,6 +194,23 @@ def verify_outcome(
     )
 
 
+def chain_verify_outcome(
+    tokens: torch.Tensor,
+    target_tokens: torch.Tensor,
+    kv_len: torch.Tensor,
+    slots: torch.Tensor,
+    target_hidden: torch.Tensor,
+    width: int,
+) -> VerifyOutcome:
+    """verify_outcome(greedy_accept_chain(tokens, target_tokens, width), kv_len, slots,
+    target_hidden): on CUDA one Triton launch and an index_select instead of ~25 small ops."""
+    if not tokens.is_cuda:
+        return verify_outcome(greedy_accept_chain(tokens, target_tokens, width), kv_len, slots, target_hidden)
+    from sglang.srt.kernels.spec_ops import chain_outcome  # triton ships with CUDA builds of torch
+
+    return VerifyOutcome.from_tuple(chain_outcome(tokens, target_tokens, kv_len, slots, target_hidden, width, DUMMY_KV_SLOT))
+
+
 def agree_on_acceptance(acceptance: Acceptance, group, src: int) -> Acceptance:
     """The acceptance of global rank `src` on every rank of `group` (attention TP: its ranks
     sample with their own random numbers; one broadcast of a few ints per request)."""

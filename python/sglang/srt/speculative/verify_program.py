@@ -20,8 +20,8 @@ from sglang.srt.sampling.sampler import greedy_tokens
 from sglang.srt.speculative.eagle_utils import (
     DraftTree,
     VerifyOutcome,
+    chain_verify_outcome,
     greedy_accept,
-    greedy_accept_chain,
     verify_outcome,
 )
 
@@ -38,13 +38,13 @@ class VerifyProgram:
         bs, n = fb.batch_size, self.num_draft_tokens
         tokens = fb.input_ids.view(bs, n)
         target_tokens = greedy_tokens(out.next_token_logits).view(bs, n)
+        kv_len, slots = fb.seq_lens - n, fb.out_cache_loc.view(bs, n)
         if self.chain:
-            acceptance = greedy_accept_chain(tokens, target_tokens, self.width)
+            outcome = chain_verify_outcome(tokens, target_tokens, kv_len, slots, out.hidden_states, self.width)
         else:
             tree = DraftTree.from_mask(tokens, fb.custom_mask.view(bs, n, n))
             acceptance = greedy_accept(tree, tokens, target_tokens, self.width)
-        kv_len = fb.seq_lens - n
-        outcome = verify_outcome(acceptance, kv_len, fb.out_cache_loc.view(bs, n), out.hidden_states)
+            outcome = verify_outcome(acceptance, kv_len, slots, out.hidden_states)
         return (out.next_token_logits, out.hidden_states, *outcome.as_tuple())
 
     @staticmethod
