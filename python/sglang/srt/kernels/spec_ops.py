@@ -1,9 +1,17 @@
-"""Triton kernel for the speculative verify's greedy outcome of chains (topk 1): the
-acceptance and everything the rest of the cycle reads from it, in one launch where plain
-PyTorch takes about 25 small ones (eagle_utils.greedy_accept_chain + verify_outcome).
+"""Triton kernels of the speculative decode cycle, each one launch where plain PyTorch takes
+several small ones:
 
-It takes any strided views (every stride is a kernel argument), launches nothing for zero
-requests and never reads device data on the host, so it can be captured in a CUDA graph.
+- chain_outcome: the verify's greedy outcome of chains (topk 1), the acceptance and
+  everything the rest of the cycle reads from it (eagle_utils.greedy_accept_chain +
+  verify_outcome: about 25 ops);
+- write_table_rows: spans of request->token table rows (ReqToTokenPool.write_rows_from:
+  an add and an index_put);
+- gather_states / store_states: a cycle's request states at its start and its end
+  (RequestStates.cycle_start: 4 index ops; store_cycle_end: 4 index_copy_ and 3 more).
+
+Each takes any strided views of its inputs (every stride is a kernel argument), launches
+nothing for zero requests and never reads device data on the host, so it can be captured in
+a CUDA graph.
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ import triton
 import triton.language as tl
 
 from sglang.srt.utils.int_math import next_power_of_2
+
+# ---------------------------------------------------------------------- chain outcome
 
 
 @triton.jit
@@ -129,3 +139,180 @@ def chain_outcome(
         )
     extend_hidden = target_hidden.index_select(0, hidden_rows)  # fresh rows, never a view
     return accept_len, nodes, emitted, extend_slots, extend_hidden, logits_rows, cursors, host_reads
+
+
+# ---------------------------------------------------------------------- table rows
+
+
+@triton.jit
+def _write_table_rows_kernel(
+    table_ptr,
+    rows_ptr,
+    starts_ptr,
+    slots_ptr,
+    table_stride_r,
+    table_stride_c,
+    table_columns,
+    rows_stride,
+    starts_stride,
+    slots_stride_b,
+    slots_stride_w,
+    WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Program b: table[rows[b], starts[b] + j] = slots[b, j] for j < WIDTH; a column past the
+    # table's end is not written (it would be the next row's).
+    b = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + b * rows_stride).to(tl.int64)
+    start = tl.load(starts_ptr + b * starts_stride).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    cols = start + j
+    mask = (j < WIDTH) & (cols < table_columns)
+    slots = tl.load(slots_ptr + b * slots_stride_b + j * slots_stride_w, mask=mask)
+    tl.store(table_ptr + row * table_stride_r + cols * table_stride_c, slots.to(table_ptr.dtype.element_ty), mask=mask)
+
+
+def write_table_rows(table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> None:
+    """table[rows[i], starts[i] : starts[i] + w] = slots[i], cast to the table's dtype, in one
+    launch. table [R, C]; rows, starts [bs] integer; slots [bs, w]; any strides;
+    starts[i] + w <= C. A row given twice keeps one of its writes (as index_put)."""
+    bs, width = slots.shape
+    assert table.dim() == 2 and rows.shape == starts.shape == (bs,)
+    if not bs or not width:
+        return
+    _write_table_rows_kernel[(bs,)](
+        table,
+        rows,
+        starts,
+        slots,
+        *table.stride(),
+        table.shape[1],
+        *rows.stride(),
+        *starts.stride(),
+        *slots.stride(),
+        WIDTH=width,
+        BLOCK=next_power_of_2(width),
+        num_warps=1,
+    )
+
+
+# ---------------------------------------------------------------------- request states
+#
+# The state buffers (RequestStates.buffers), contiguous: cursors [R, 2], probs and tokens
+# [R, TOPK], hidden [R, HIDDEN]; the kernels address their rows as row * width.
+
+# Hidden-state elements a program copies per loop iteration.
+_HIDDEN_BLOCK = 1024
+
+
+@triton.jit
+def _copy_row(src, src_stride, dst, dst_stride, N: tl.constexpr, BLOCK: tl.constexpr):
+    # dst[:N] = src[:N] cast to dst's dtype (element strides), BLOCK elements at a time.
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(src + cols * src_stride, mask=mask)
+        tl.store(dst + cols * dst_stride, x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gather_states_kernel(
+    rows_ptr,
+    rows_stride,
+    cursors_ptr,
+    probs_ptr,
+    tokens_ptr,
+    hidden_ptr,
+    out_cursors_ptr,
+    out_probs_ptr,
+    out_tokens_ptr,
+    out_hidden_ptr,
+    TOPK: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # Program b: output row b (contiguous) = state row rows[b] of each buffer.
+    b = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + b * rows_stride).to(tl.int64)
+    _copy_row(cursors_ptr + row * 2, 1, out_cursors_ptr + b * 2, 1, 2, 2)
+    _copy_row(probs_ptr + row * TOPK, 1, out_probs_ptr + b * TOPK, 1, TOPK, BLOCK_K)
+    _copy_row(tokens_ptr + row * TOPK, 1, out_tokens_ptr + b * TOPK, 1, TOPK, BLOCK_K)
+    _copy_row(hidden_ptr + row * HIDDEN, 1, out_hidden_ptr + b * HIDDEN, 1, HIDDEN, BLOCK_H)
+
+
+@triton.jit
+def _store_states_kernel(
+    rows_ptr,
+    cursors_ptr,
+    probs_ptr,
+    tokens_ptr,
+    hidden_ptr,
+    new_cursors_ptr,
+    new_probs_ptr,
+    new_tokens_ptr,
+    new_hidden_ptr,
+    rows_stride,
+    new_cursors_stride_b,
+    new_cursors_stride_c,
+    new_probs_stride_b,
+    new_probs_stride_k,
+    new_tokens_stride_b,
+    new_tokens_stride_k,
+    new_hidden_stride_b,
+    new_hidden_stride_h,
+    TOPK: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    DUMMY_ROW: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # Program b: state row rows[b] of each buffer = input row b, cast to the buffer's dtype;
+    # the dummy row's cursors are (0, 0).
+    b = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + b * rows_stride).to(tl.int64)
+    _copy_row(new_probs_ptr + b * new_probs_stride_b, new_probs_stride_k, probs_ptr + row * TOPK, 1, TOPK, BLOCK_K)
+    _copy_row(new_tokens_ptr + b * new_tokens_stride_b, new_tokens_stride_k, tokens_ptr + row * TOPK, 1, TOPK, BLOCK_K)
+    _copy_row(new_hidden_ptr + b * new_hidden_stride_b, new_hidden_stride_h, hidden_ptr + row * HIDDEN, 1, HIDDEN, BLOCK_H)
+    cols = tl.arange(0, 2)
+    cursors = tl.load(new_cursors_ptr + b * new_cursors_stride_b + cols * new_cursors_stride_c)
+    cursors = tl.where(row != DUMMY_ROW, cursors, 0)
+    tl.store(cursors_ptr + row * 2 + cols, cursors.to(cursors_ptr.dtype.element_ty))
+
+
+def _state_blocks(buffers: tuple[torch.Tensor, ...]) -> dict[str, int]:
+    """The kernels' shape constants for the state buffers (asserted contiguous)."""
+    cursors, probs, tokens, hidden_states = buffers
+    assert all(t.is_contiguous() for t in buffers) and cursors.shape[1] == 2 and tokens.shape == probs.shape
+    topk, hidden = probs.shape[1], hidden_states.shape[1]
+    return dict(TOPK=topk, HIDDEN=hidden, BLOCK_K=next_power_of_2(topk), BLOCK_H=min(next_power_of_2(hidden), _HIDDEN_BLOCK))
+
+
+def gather_states(buffers: tuple[torch.Tensor, ...], rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Rows `rows` [bs] (any stride) of the state buffers (cursors, probs, tokens, hidden):
+    fresh contiguous tensors of the buffers' dtypes, in one launch."""
+    bs = rows.shape[0]
+    out = tuple(t.new_empty((bs, t.shape[1])) for t in buffers)
+    if bs:
+        _gather_states_kernel[(bs,)](rows, *rows.stride(), *buffers, *out, **_state_blocks(buffers))
+    return out
+
+
+def store_states(buffers: tuple[torch.Tensor, ...], rows: torch.Tensor, new: tuple[torch.Tensor, ...], dummy_row: int) -> None:
+    """Row rows[i] of each state buffer (cursors, probs, tokens, hidden) = row i of its
+    counterpart in `new` ([bs, 2], [bs, topk], [bs, topk], [bs, hidden], any strides), cast
+    to the buffer's dtype, in one launch; the dummy row's cursors become (0, 0). Rows other
+    than dummy_row are distinct (the dummy row keeps the values of one of its requests)."""
+    bs = rows.shape[0]
+    assert all(n.shape == (bs, t.shape[1]) for n, t in zip(new, buffers, strict=True))
+    if not bs:
+        return
+    _store_states_kernel[(bs,)](
+        rows,
+        *buffers,
+        *new,
+        *rows.stride(),
+        *(s for n in new for s in n.stride()),
+        DUMMY_ROW=dummy_row,
+        **_state_blocks(buffers),
+    )

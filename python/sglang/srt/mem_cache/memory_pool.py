@@ -57,9 +57,14 @@ class ReqToTokenPool:
 
     def write_rows_from(self, rows: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> None:
         """req_to_token[rows[i], starts[i] : starts[i] + w] = slots[i] for slots [bs, w], all on
-        the table's device (starts need not have reached the host)."""
-        offsets = self.constants.arange(slots.shape[1])
-        self.req_to_token[rows.view(-1, 1), starts.view(-1, 1) + offsets] = slots
+        the table's device (starts need not have reached the host). On CUDA one launch."""
+        if not self.req_to_token.is_cuda:
+            offsets = self.constants.arange(slots.shape[1])
+            self.req_to_token[rows.view(-1, 1), starts.view(-1, 1) + offsets] = slots
+            return
+        from sglang.srt.kernels.spec_ops import write_table_rows  # triton ships with CUDA builds of torch
+
+        write_table_rows(self.req_to_token, rows, starts, slots)
 
     def write_spans(self, rows: list[int], starts: list[int], counts: list[int], slots: torch.Tensor) -> torch.Tensor:
         """req_to_token[rows[i], starts[i] : starts[i] + counts[i]] = the next counts[i] of

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from sglang.srt.batch.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
-from sglang.srt.mem_cache.memory_pool import DUMMY_REQ_ROW, ReqToTokenPool
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.cuda_graph_runner import ForwardFn
 from sglang.srt.speculative.draft_extend_program import DraftExtendProgram
 from sglang.srt.speculative.draft_loop import DraftLoop
@@ -54,6 +54,10 @@ class CycleTensors:
     rows: torch.Tensor  # [bs] table rows
     kv_len: torch.Tensor  # [bs] L
     roots: torch.Tensor  # [bs] the last tokens (verify tree roots)
+    # The draft's guesses for the token after each root and its hidden state at the last position.
+    draft_probs: torch.Tensor  # [bs, topk]
+    draft_tokens: torch.Tensor  # [bs, topk]
+    draft_hidden: torch.Tensor  # [bs, hidden]
     slots: torch.Tensor  # [bs, decode_kv_need_per_req]
     host_kv_len: list[int]
     host_lens_exact: bool
@@ -107,20 +111,21 @@ class DecodeCycle:
 
     # ------------------------------------------------------------------ steps
     def begin(self, fb: ForwardBatch) -> CycleTensors:
-        """The cycle's values from its batch and the request states; the slots go into each
-        request's table row from its KV length L (the draft steps and the verify read them)."""
+        """The cycle's values from its batch and the request states (read before `finish`
+        writes them); the slots go into each request's table row from its KV length L (the
+        draft steps and the verify read them)."""
         bs = fb.batch_size
         rows, slots = fb.req_pool_indices, fb.out_cache_loc.view(bs, -1)
-        kv_len, roots = self.states.cursors[rows].unbind(1)
+        kv_len, roots, *guesses = self.states.cycle_start(rows)
         self.table.write_rows_from(rows, kv_len, slots)
         tpr = self.sizes.tokens_per_req(SubForward.DECODE_CYCLE)
         dp_reqs = None if fb.global_num_tokens is None else [n // tpr for n in fb.global_num_tokens]
-        return CycleTensors(rows, kv_len, roots, slots, list(fb.seq_lens_cpu), fb.host_lens_exact, dp_reqs)
+        return CycleTensors(rows, kv_len, roots, *guesses, slots, list(fb.seq_lens_cpu), fb.host_lens_exact, dp_reqs)
 
     def draft(self, cycle: CycleTensors, sub_forward: SubForwardFn) -> DraftTree:
         """The verify trees (without roots) from the draft loop, or from the kept guesses alone."""
         bs, k = cycle.batch_size, self.sizes.topk
-        probs, tokens, hidden = self.states.draft_guesses(cycle.rows)
+        probs, tokens, hidden = cycle.draft_probs, cycle.draft_tokens, cycle.draft_hidden
         if self.sizes.steps == 1:
             return build_draft_tree(probs, tokens, self.table.constants.full((bs, k), -1), self.sizes.num_draft_tokens, 1)
         fb = self._batch(
@@ -172,9 +177,7 @@ class DecodeCycle:
             logits_indices=outcome.extend_logits_rows,
             spec_info=SpecInput(outcome.extend_hidden),
         )
-        self.states.store_draft(cycle.rows, *sub_forward(SubForward.DRAFT_EXTEND, fb))
-        real = (cycle.rows != DUMMY_REQ_ROW).view(-1, 1)  # a padded request's KV length stays 0
-        self.states.cursors.index_copy_(0, cycle.rows, outcome.cursors * real)
+        self.states.store_cycle_end(cycle.rows, *sub_forward(SubForward.DRAFT_EXTEND, fb), outcome.cursors)
 
     def _batch(self, cycle: CycleTensors, kind: SubForward, mode: ForwardMode, **fields) -> ForwardBatch:
         """A sub-forward's batch: kind's new tokens per request after each KV length L.

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from sglang.srt.mem_cache.memory_pool import DUMMY_REQ_ROW
 from sglang.srt.model_executor.cuda_graph_runner import SpecInfoLayout
 from sglang.srt.sampling.sampler import greedy_tokens
 
@@ -63,12 +64,39 @@ class RequestStates:
         self.tokens = torch.zeros((rows, topk), dtype=torch.int64, device=device)
         self.hidden = torch.zeros((rows, hidden_size), dtype=dtype, device=device)
 
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cursors, probs, tokens, hidden): the order of spec_ops' state kernels."""
+        return self.cursors, self.probs, self.tokens, self.hidden
+
     def store_draft(self, rows: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """The draft's guesses (top_guesses) and hidden states at each row's last position."""
         self.probs.index_copy_(0, rows, probs)
         self.tokens.index_copy_(0, rows, tokens)
         self.hidden.index_copy_(0, rows, hidden.to(self.hidden.dtype))
 
-    def draft_guesses(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(probs [bs, topk], tokens [bs, topk], hidden [bs, hidden]) of the given rows."""
-        return self.probs[rows], self.tokens[rows], self.hidden[rows]
+    def cycle_start(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(kv_len [bs], last tokens [bs], probs [bs, topk], tokens [bs, topk], hidden [bs, hidden])
+        of the given rows: fresh tensors (kv_len and the last tokens are the columns of one
+        [bs, 2]). On CUDA one launch."""
+        if not self.cursors.is_cuda:
+            cursors, guesses = self.cursors[rows], (self.probs[rows], self.tokens[rows], self.hidden[rows])
+        else:
+            from sglang.srt.kernels.spec_ops import gather_states  # triton ships with CUDA builds of torch
+
+            cursors, *guesses = gather_states(self.buffers, rows)
+        return *cursors.unbind(1), *guesses
+
+    def store_cycle_end(
+        self, rows: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, cursors: torch.Tensor
+    ) -> None:
+        """What a decode cycle leaves for the next: store_draft's guesses and hidden states, and
+        the cursors [bs, 2], except that the dummy row's become (0, 0) (a padded request's KV
+        length stays 0). Rows other than the dummy row are distinct. On CUDA one launch."""
+        if not self.cursors.is_cuda:
+            self.store_draft(rows, probs, tokens, hidden)
+            self.cursors.index_copy_(0, rows, cursors * (rows != DUMMY_REQ_ROW).view(-1, 1))
+            return
+        from sglang.srt.kernels.spec_ops import store_states  # triton ships with CUDA builds of torch
+
+        store_states(self.buffers, rows, (cursors, probs, tokens, hidden), DUMMY_REQ_ROW)
