@@ -11,13 +11,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
 
+from sglang.srt.batch.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.mem_cache.memory_pool import DUMMY_KV_SLOT, DUMMY_REQ_ROW, ReqToTokenPool
+from sglang.srt.model_executor.cuda_graph_runner import PAD_KV_SLOT
+from sglang.srt.speculative.draft_loop import DraftLoop
 from sglang.srt.speculative.spec_info import RequestStates
+from sglang.srt.utils.device_constants import DeviceConstants
 from sglang.test.triton_harness import DEVICE, NEEDS_SUBPROCESS, ON_CUDA, kernel_test, rerun_under_interpreter
 
 spec_ops = pytest.importorskip("sglang.srt.kernels.spec_ops")  # imports triton
@@ -199,19 +205,80 @@ def test_gather_states_matches_torch(bs, topk, hidden, dtype, in_dtype):
         assert g.untyped_storage().data_ptr() not in own
 
 
+# ---------------------------------------------------------------------- draft steps
+
+
+def _draft_first_step(bs: int, topk: int, seed: int) -> ForwardBatch:
+    """A draft loop's first-step batch on CPU (as DecodeCycle.draft builds it): KV lengths
+    L, seq_lens L + topk, the scratch slots of columns L.., the dummy slot for padded rows."""
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randint(1, 1000, (TABLE_ROWS, COLUMNS), generator=gen)
+    rows = _rows(bs, gen)
+    kv_lens = torch.randint(0, COLUMNS - 3 * topk + 1, (bs,), generator=gen)
+    kv_lens[rows == DUMMY_REQ_ROW] = 0
+    loc = table[rows.view(-1, 1), kv_lens.view(-1, 1) + torch.arange(topk)]
+    loc[rows == DUMMY_REQ_ROW] = PAD_KV_SLOT
+    return ForwardBatch(
+        mode=ForwardMode.DRAFT_DECODE,
+        batch_size=bs,
+        input_ids=torch.zeros(bs * topk, dtype=torch.int64),
+        positions=kv_lens.repeat_interleave(topk),
+        out_cache_loc=loc.flatten(),
+        req_pool_indices=rows,
+        seq_lens=kv_lens + topk,
+        extend_seq_lens=torch.full((bs,), topk),
+        seq_lens_cpu=(kv_lens + topk).tolist(),
+        req_to_token_pool=SimpleNamespace(req_to_token=table),
+    )
+
+
+@kernel_test
+@pytest.mark.parametrize("bs", BATCH_SIZES)
+@pytest.mark.parametrize("topk", [1, 2, 3])
+@pytest.mark.parametrize("step", [1, 2])
+def test_draft_step_inputs_match_torch(bs, topk, step):
+    """A later draft step's slots, positions and lengths: the kernel (strided inputs on DEVICE)
+    against DraftLoop's torch path; max_position clamps the largest position."""
+    first = _draft_first_step(bs, topk, seed=100 * bs + 10 * topk + step)
+    max_position = int(first.positions.max()) + step - 1 if bs else 0  # the last position clamped
+    loop = DraftLoop(step + 2, topk, step + 3, max_position, DeviceConstants("cpu"))
+    want = loop._step_inputs(first, step)
+    args = [
+        _strided(t.view(-1, 1), DEVICE).view(-1)
+        for t in (first.req_pool_indices, first.seq_lens, first.positions, first.out_cache_loc)
+    ]
+    table = first.req_to_token_pool.req_to_token.to(DEVICE)
+    if ON_CUDA:
+        device_first = replace(
+            first,
+            req_pool_indices=args[0],
+            seq_lens=args[1],
+            positions=args[2],
+            out_cache_loc=args[3],
+            req_to_token_pool=SimpleNamespace(req_to_token=table),
+        )
+        with _launches("draft_step_inputs"):
+            got = replace(loop, constants=DeviceConstants(DEVICE))._step_inputs(device_first, step)
+    else:
+        got = spec_ops.draft_step_inputs(table, *args, step, topk, max_position, PAD_KV_SLOT)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g.cpu(), w)
+
+
 def test_kernels_launch_nothing_for_zero_requests():
     states = _random_states(2, 40, torch.float32, seed=0)
     before = [t.clone() for t in states.buffers]
     table = torch.zeros((TABLE_ROWS, COLUMNS), dtype=torch.int64)
     empty = torch.zeros(0, dtype=torch.int64)
-    kernels = ("_write_table_rows_kernel", "_gather_states_kernel", "_store_states_kernel")
+    kernels = ("_write_table_rows_kernel", "_gather_states_kernel", "_store_states_kernel", "_draft_step_inputs_kernel")
     with mock.patch.multiple(spec_ops, **dict.fromkeys(kernels, mock.DEFAULT)) as launched:
         spec_ops.write_table_rows(table, empty, empty, empty.view(0, 3))
         got = spec_ops.gather_states(states.buffers, empty)
         spec_ops.store_states(states.buffers, empty, tuple(t[:0] for t in states.buffers), DUMMY_REQ_ROW)
+        step = spec_ops.draft_step_inputs(table, empty, empty, empty, empty, 1, 2, 100, PAD_KV_SLOT)
     assert not any(k.mock_calls for k in launched.values())
     assert not table.any() and all(torch.equal(t, b) for t, b in zip(states.buffers, before, strict=True))
-    assert [g.shape for g in got] == [(0, 2), (0, 2), (0, 2), (0, 40)]
+    assert [g.shape for g in got] == [(0, 2), (0, 2), (0, 2), (0, 40)] and [t.shape for t in step] == [(0,)] * 3
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs need CUDA")

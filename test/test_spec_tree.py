@@ -30,6 +30,7 @@ from sglang.srt.speculative.eagle_utils import (
 )
 from sglang.srt.speculative.spec_info import top_guesses
 from sglang.srt.speculative.verify_program import VerifyProgram
+from sglang.srt.utils.device_constants import DeviceConstants
 from sglang.test.chi_square import chi_square, fits
 
 
@@ -115,7 +116,7 @@ def test_chain_tree_and_acceptance_are_the_general_ones_for_topk_1(steps):
     greedy_accept_chain accepts what greedy_accept does."""
     gen = torch.Generator().manual_seed(steps)
     tree, node_tokens = _random_tree(7, steps, 1, steps + 1, 5, gen)  # a small vocabulary: matches occur
-    chain = chain_tree(tree.tokens)
+    chain = chain_tree(tree.tokens, DeviceConstants("cpu"))
     for built, closed in zip(tree.as_tuple(), chain.as_tuple()):
         assert torch.equal(built, closed)
     lengths = set()
@@ -249,7 +250,7 @@ def test_draft_step_writes_its_own_scratch_columns(topk):
         seq_lens_cpu=(kv_lens + topk).tolist(),
         req_to_token_pool=SimpleNamespace(req_to_token=table),
     )
-    loop = DraftLoop(steps, topk, num_draft_tokens=steps + 1, max_position=1 << 20)
+    loop = DraftLoop(steps, topk, num_draft_tokens=steps + 1, max_position=1 << 20, constants=DeviceConstants("cpu"))
     for t in range(1, steps - 1):
         step = loop._next_step(
             first,

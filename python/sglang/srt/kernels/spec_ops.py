@@ -7,7 +7,9 @@ several small ones:
 - write_table_rows: spans of request->token table rows (ReqToTokenPool.write_rows_from:
   an add and an index_put);
 - gather_states / store_states: a cycle's request states at its start and its end
-  (RequestStates.cycle_start: 4 index ops; store_cycle_end: 4 index_copy_ and 3 more).
+  (RequestStates.cycle_start: 4 index ops; store_cycle_end: 4 index_copy_ and 3 more);
+- draft_step_inputs: a later draft step's slots, positions and lengths from the first
+  step's batch (DraftLoop's next step: 8 ops).
 
 Each takes any strided views of its inputs (every stride is a kernel argument), launches
 nothing for zero requests and never reads device data on the host, so it can be captured in
@@ -316,3 +318,92 @@ def store_states(buffers: tuple[torch.Tensor, ...], rows: torch.Tensor, new: tup
         DUMMY_ROW=dummy_row,
         **_state_blocks(buffers),
     )
+
+
+# ---------------------------------------------------------------------- draft steps
+
+
+@triton.jit
+def _draft_step_inputs_kernel(
+    table_ptr,
+    rows_ptr,
+    seq_lens_ptr,
+    positions_ptr,
+    loc_ptr,
+    out_loc_ptr,
+    out_positions_ptr,
+    out_seq_lens_ptr,
+    table_stride_r,
+    table_stride_c,
+    rows_stride,
+    seq_lens_stride,
+    positions_stride,
+    loc_stride,
+    step,
+    max_position,
+    TOPK: tl.constexpr,
+    PAD_SLOT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Program b: request b's TOPK inputs of draft step `step` from the first step's batch
+    # (seq_lens L + TOPK): input j's KV slot is table column L + step * TOPK + j of its row
+    # (PAD_SLOT where the first step's was: a padded row), its position the first step's
+    # + step, clamped; the step's seq_lens are L + (step + 1) * TOPK.
+    b = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + b * rows_stride).to(tl.int64)
+    first_seq_len = tl.load(seq_lens_ptr + b * seq_lens_stride)
+    j = tl.arange(0, BLOCK_K)
+    mask = j < TOPK
+    inputs = b * TOPK + j
+    cols = (first_seq_len + (step - 1) * TOPK + j).to(tl.int64)
+    slot = tl.load(table_ptr + row * table_stride_r + cols * table_stride_c, mask=mask)
+    first_loc = tl.load(loc_ptr + inputs * loc_stride, mask=mask)
+    slot = tl.where(first_loc == PAD_SLOT, PAD_SLOT, slot)
+    tl.store(out_loc_ptr + inputs, slot.to(out_loc_ptr.dtype.element_ty), mask=mask)
+    position = tl.load(positions_ptr + inputs * positions_stride, mask=mask)
+    tl.store(out_positions_ptr + inputs, tl.minimum(position + step, max_position), mask=mask)
+    tl.store(out_seq_lens_ptr + b, first_seq_len + step * TOPK)
+
+
+def draft_step_inputs(
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    step: int,
+    topk: int,
+    max_position: int,
+    pad_slot: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out_cache_loc [bs * topk], positions [bs * topk], seq_lens [bs]) of draft step `step`
+    (>= 1) from the first step's batch (rows, seq_lens [bs]; positions, out_cache_loc
+    [bs * topk]; any strides), in one launch; each keeps its input's dtype, the slots the
+    table's."""
+    bs = rows.shape[0]
+    assert seq_lens.shape == (bs,) and positions.shape == out_cache_loc.shape == (bs * topk,) and step >= 1
+    out_loc = table.new_empty(bs * topk)
+    out_positions, out_seq_lens = positions.new_empty(bs * topk), seq_lens.new_empty(bs)
+    if bs:
+        _draft_step_inputs_kernel[(bs,)](
+            table,
+            rows,
+            seq_lens,
+            positions,
+            out_cache_loc,
+            out_loc,
+            out_positions,
+            out_seq_lens,
+            *table.stride(),
+            *rows.stride(),
+            *seq_lens.stride(),
+            *positions.stride(),
+            *out_cache_loc.stride(),
+            step,
+            max_position,
+            TOPK=topk,
+            PAD_SLOT=pad_slot,
+            BLOCK_K=next_power_of_2(topk),
+            num_warps=1,
+        )
+    return out_loc, out_positions, out_seq_lens

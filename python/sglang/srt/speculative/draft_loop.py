@@ -24,7 +24,8 @@ import torch
 from sglang.srt.batch.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.cuda_graph_runner import PAD_KV_SLOT, ForwardFn
 from sglang.srt.speculative.eagle_utils import build_draft_tree, chain_tree, select_step_inputs
-from sglang.srt.speculative.spec_info import SpecInput, top_guesses
+from sglang.srt.speculative.spec_info import SpecInput, greedy_guess, top_guesses
+from sglang.srt.utils.device_constants import DeviceConstants
 
 
 @dataclass(frozen=True)
@@ -33,19 +34,20 @@ class DraftLoop:
     topk: int
     num_draft_tokens: int
     max_position: int  # positions past the context are never emitted; they are clamped
+    constants: DeviceConstants = field(compare=False, repr=False)
     columns: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)  # see top_guesses
 
     def __call__(self, fb: ForwardBatch, forward: ForwardFn) -> tuple[torch.Tensor, ...]:
         """Runs steps - 1 draft forwards; returns the verify tree (DraftTree.as_tuple())."""
         if self.topk == 1:
             return self._chain(fb, forward)
-        bs, k, device = fb.batch_size, self.topk, fb.input_ids.device
+        bs, k, constants = fb.batch_size, self.topk, self.constants
         scores, tokens = fb.spec_info.scores.view(bs, k), fb.input_ids.view(bs, k)
         cand_scores, cand_tokens = [scores], [tokens]
-        cand_parents = [torch.full((bs, k), -1, dtype=torch.int64, device=device)]
-        input_cand = torch.arange(k, device=device).expand(bs, k)  # candidate number of each input
-        itself = torch.eye(k, dtype=torch.bool, device=device).expand(bs, k, k)
-        ancestors, arange_bs = itself, torch.arange(bs, device=device).view(-1, 1)
+        cand_parents = [constants.full((bs, k), -1)]
+        input_cand = constants.arange(k).expand(bs, k)  # candidate number of each input
+        itself = constants.tiled_eye(bs, k).view(bs, k, k)
+        ancestors, arange_bs = itself, constants.arange(bs).view(-1, 1)
         step = fb
         for t in range(self.steps - 1):
             out = forward(step)
@@ -79,30 +81,53 @@ class DraftLoop:
         tokens, step = [fb.input_ids.view(bs, 1)], fb
         for t in range(self.steps - 1):
             out = forward(step)
-            token = top_guesses(out.next_token_logits, 1, self.columns)[1]
+            token = greedy_guess(out.next_token_logits, self.columns)
             tokens.append(token)
             if t < self.steps - 2:
-                seen = torch.ones((bs, 1, t + 2), dtype=torch.bool, device=token.device)
+                seen = self.constants.full((bs, 1, t + 2), True, torch.bool)
                 step = self._next_step(fb, t + 1, token, out.hidden_states, seen)
-        return chain_tree(torch.cat(tokens, 1)).as_tuple()
+        return chain_tree(torch.cat(tokens, 1), self.constants).as_tuple()
 
     def _next_step(
         self, first: ForwardBatch, t: int, tokens: torch.Tensor, hidden: torch.Tensor, ancestors: torch.Tensor
     ) -> ForwardBatch:
         """Step t's batch, derived from the first step's on the device."""
         k = self.topk
-        # Request b's inputs j take table columns L_b + t*k + j (L_b = seq_lens - k), b-major.
-        first_column = (first.seq_lens + (t - 1) * k).view(-1, 1)
-        columns = first_column + torch.arange(k, device=first_column.device)
-        slots = first.req_to_token_pool.req_to_token[first.req_pool_indices.view(-1, 1), columns].flatten()
+        out_cache_loc, positions, seq_lens = self._step_inputs(first, t)
         return replace(
             first,
             input_ids=tokens.flatten(),
-            positions=(first.positions + t).clamp(max=self.max_position),
-            # A padded row writes only the dummy slot, whatever its table row holds.
-            out_cache_loc=torch.where(first.out_cache_loc == PAD_KV_SLOT, PAD_KV_SLOT, slots),
-            seq_lens=first.seq_lens + t * k,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            seq_lens=seq_lens,
             seq_lens_cpu=[s + t * k for s in first.seq_lens_cpu],
             custom_mask=ancestors.flatten(0, 1),
             spec_info=SpecInput(hidden),
+        )
+
+    def _step_inputs(self, first: ForwardBatch, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step t's (out_cache_loc, positions, seq_lens) on the device; on CUDA one launch."""
+        k, table = self.topk, first.req_to_token_pool.req_to_token
+        if table.is_cuda:
+            from sglang.srt.kernels.spec_ops import draft_step_inputs  # triton ships with CUDA builds of torch
+
+            return draft_step_inputs(
+                table,
+                first.req_pool_indices,
+                first.seq_lens,
+                first.positions,
+                first.out_cache_loc,
+                t,
+                k,
+                self.max_position,
+                PAD_KV_SLOT,
+            )
+        # Request b's inputs j take table columns L_b + t*k + j (L_b = seq_lens - k), b-major.
+        columns = (first.seq_lens + (t - 1) * k).view(-1, 1) + self.constants.arange(k)
+        slots = table[first.req_pool_indices.view(-1, 1), columns].flatten()
+        return (
+            # A padded row writes only the dummy slot, whatever its table row holds.
+            torch.where(first.out_cache_loc == PAD_KV_SLOT, PAD_KV_SLOT, slots),
+            (first.positions + t).clamp(max=self.max_position),
+            first.seq_lens + t * k,
         )

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang.srt.mem_cache.memory_pool import DUMMY_KV_SLOT
+from sglang.srt.utils.device_constants import DeviceConstants
 from sglang.srt.utils.transfer import to_host, upload
 
 
@@ -60,14 +61,15 @@ class DraftTree:
         return cls(node_tokens[:, 1:], parents, strict.sum(dim=-1), mask)
 
 
-def chain_tree(tokens: torch.Tensor) -> DraftTree:
+def chain_tree(tokens: torch.Tensor, constants: DeviceConstants) -> DraftTree:
     """The verify tree of a chain (topk 1: node j's parent is node j - 1), in closed form:
-    what build_draft_tree keeps of a chain's candidates. tokens: [bs, n - 1]."""
+    what build_draft_tree keeps of a chain's candidates. tokens: [bs, n - 1]. Everything but
+    the tokens depends on n alone: views of `constants` (no launches)."""
     bs, n = tokens.shape[0], tokens.shape[1] + 1
-    nodes = torch.arange(n, device=tokens.device)
-    parents = (nodes - 1).clamp(min=0).expand(bs, -1)
-    mask = (nodes.view(-1, 1) >= nodes).expand(bs, -1, -1)
-    return DraftTree(tokens, parents, nodes.expand(bs, -1), mask)
+    nodes = constants.arange(n)
+    parents = constants.get(("chain_parents", n), lambda: (nodes - 1).clamp(min=0))
+    mask = constants.get(("chain_mask", n), lambda: nodes.view(-1, 1) >= nodes)
+    return DraftTree(tokens, parents.expand(bs, -1), nodes.expand(bs, -1), mask.expand(bs, -1, -1))
 
 
 def build_draft_tree(

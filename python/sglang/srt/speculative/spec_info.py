@@ -22,10 +22,15 @@ def top_guesses(logits: torch.Tensor, topk: int, columns: Optional[torch.Tensor]
     (on CUDA the argmax is one or two short launches; softmax and a max reduction took about
     15 us at 32 rows, torch.topk is a radix select of a dozen kernels)."""
     if topk == 1:
-        scores, tokens = logits.new_ones((logits.shape[0], 1), dtype=torch.float32), greedy_tokens(logits).view(-1, 1)
-    else:
-        scores, tokens = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
+        return logits.new_ones((logits.shape[0], 1), dtype=torch.float32), greedy_guess(logits, columns)
+    scores, tokens = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
     return scores, tokens if columns is None else columns[tokens]
+
+
+def greedy_guess(logits: torch.Tensor, columns: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The tokens [rows, 1] of top_guesses(logits, 1, columns), without the scores."""
+    tokens = greedy_tokens(logits).view(-1, 1)
+    return tokens if columns is None else columns[tokens]
 
 
 @dataclass

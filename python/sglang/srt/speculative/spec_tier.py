@@ -39,7 +39,12 @@ class SpecTier:
     def build(cls, sizes: SpecSizes, max_position: int, columns: Optional[torch.Tensor], **cycle_parts) -> SpecTier:
         """columns: the token of each draft logits column (spec_info.top_guesses); cycle_parts:
         what DecodeCycle shares across tiers (request states, table, target runner)."""
-        loop = DraftLoop(sizes.steps, sizes.topk, sizes.num_draft_tokens, max_position, columns) if sizes.steps > 1 else None
+        constants = cycle_parts["table"].constants
+        loop = (
+            DraftLoop(sizes.steps, sizes.topk, sizes.num_draft_tokens, max_position, constants, columns)
+            if sizes.steps > 1
+            else None
+        )
         verify, draft_extend = verify_program(sizes), DraftExtendProgram(sizes.topk, sizes.draft_extend_rows, columns)
         cycle = DecodeCycle(sizes, max_position, draft_loop=loop, verify=verify, draft_extend=draft_extend, **cycle_parts)
         programs: dict[SubForward, GraphProgram] = {

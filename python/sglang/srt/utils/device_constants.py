@@ -13,18 +13,19 @@ class DeviceConstants:
         self.device = device
         self._cache: dict[tuple, torch.Tensor] = {}
 
-    def _get(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def get(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """make()'s tensor, made on the first call with this key."""
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]
 
-    def full(self, shape: tuple[int, ...], value: int) -> torch.Tensor:
-        """int64 `shape` filled with value."""
-        return self._get(("full", shape, value), lambda: torch.full(shape, value, dtype=torch.int64, device=self.device))
+    def full(self, shape: tuple[int, ...], value: int | bool, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """`shape` filled with value."""
+        return self.get(("full", shape, value, dtype), lambda: torch.full(shape, value, dtype=dtype, device=self.device))
 
     def arange(self, n: int) -> torch.Tensor:
-        return self._get(("arange", n), lambda: torch.arange(n, device=self.device))
+        return self.get(("arange", n), lambda: torch.arange(n, device=self.device))
 
     def tiled_eye(self, repeats: int, k: int) -> torch.Tensor:
         """bool [repeats * k, k]: the k x k identity, `repeats` times."""
-        return self._get(("tiled_eye", repeats, k), lambda: torch.eye(k, dtype=torch.bool, device=self.device).repeat(repeats, 1))
+        return self.get(("tiled_eye", repeats, k), lambda: torch.eye(k, dtype=torch.bool, device=self.device).repeat(repeats, 1))
