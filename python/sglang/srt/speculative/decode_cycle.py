@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.cuda_graph_runner import ForwardFn
 from sglang.srt.speculative.draft_extend_program import DraftExtendProgram
 from sglang.srt.speculative.draft_loop import DraftLoop
-from sglang.srt.speculative.eagle_utils import DraftTree, VerifyOutcome, build_draft_tree
+from sglang.srt.speculative.eagle_utils import DraftTree, VerifyOutcome, build_draft_tree, chain_tree
 from sglang.srt.speculative.spec_info import RequestStates, SpecInput
 from sglang.srt.speculative.spec_plan import SpecSizes, SubForward
 from sglang.srt.speculative.verify_program import VerifyProgram
@@ -127,6 +127,8 @@ class DecodeCycle:
         bs, k = cycle.batch_size, self.sizes.topk
         probs, tokens, hidden = cycle.draft_probs, cycle.draft_tokens, cycle.draft_hidden
         if self.sizes.steps == 1:
+            if k == 1:  # the chain of the one guess (what build_draft_tree keeps of it, without launches)
+                return chain_tree(tokens, self.table.constants)
             return build_draft_tree(probs, tokens, self.table.constants.full((bs, k), -1), self.sizes.num_draft_tokens, 1)
         fb = self._batch(
             cycle,
