@@ -169,6 +169,20 @@ case "$stage" in
         --max-concurrency 32 -- --load-format dummy --cuda-graph-max-bs 32 --enable-piecewise-cuda-graph $flags
     done
     ;;
+  spec-kernels)  # the speculative cycle's Triton bookkeeping (kernels/spec_ops.py): its tests and the graph tests on
+    # the GPU, then plain, NEXTN 3/1/4 and 1/1/2 served at concurrency 32, NEXTN also by the engine whose python/ is $BEFORE_PYTHON
+    step spec_kernel_tests 240 python3 -m pytest -q test/test_spec_ops.py test/test_cycle_state_ops.py test/test_cuda_graph_spec.py \
+      test/test_spec_tree.py
+    trained_deepseek 0.6
+    if [ -n "${BEFORE_PYTHON:-}" ]; then
+      step spec_kernels_ab 560 python3 benchmark/flag_ab.py --model-path "$models/deepseek-v3-mtp" --variant plain= \
+        --variant n3_before="$nextn_3_1_4" --engine "n3_before=$BEFORE_PYTHON" --variant n3="$nextn_3_1_4" \
+        --variant n1_before="$nextn_1_1_2" --engine "n1_before=$BEFORE_PYTHON" --variant n1="$nextn_1_1_2" --rounds 2 \
+        --dataset-name file --dataset-path "$models/heldout_prompts.jsonl" --num-prompts 256 --random-output-len 256 \
+        --max-concurrency 32 -- --cuda-graph-max-bs 32 --enable-piecewise-cuda-graph
+      grep -A7 '^| variant' "$out/spec_kernels_ab.log" | tee -a "$out/summary.log"
+    fi
+    ;;
   smollm2-c64)  # SmolLM2-135M shape, random 256 in / 128 out at concurrency 64, against the engine
     # whose python/ is $BEFORE_PYTHON (e.g. `git archive COMMIT python | tar -x -C DIR`, carried along)
     if [ -z "${BEFORE_PYTHON:-}" ]; then
@@ -220,6 +234,6 @@ case "$stage" in
     step collectives_nccl 150 python3 benchmark/kernels/bench_collectives.py --world "${WORLD:-2}" --gpu-id-step 1 \
       --jsonl "$out/collectives.jsonl"
     ;;
-  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|serving-profile|serving-phases|greedy-decode|spec-mixed|serving-spy|smollm2-c64|graphs|prefill-graphs|shared-gpu|collectives"; exit 2 ;;
+  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|serving-profile|serving-phases|greedy-decode|spec-mixed|serving-spy|spec-kernels|smollm2-c64|graphs|prefill-graphs|shared-gpu|collectives"; exit 2 ;;
 esac
 done
