@@ -116,11 +116,11 @@ class DecodeCycle:
         draft steps and the verify read them)."""
         bs = fb.batch_size
         rows, slots = fb.req_pool_indices, fb.out_cache_loc.view(bs, -1)
-        kv_len, roots, *guesses = self.states.cycle_start(rows)
+        kv_len, roots, probs, tokens, hidden = self.states.cycle_start(rows)
         self.table.write_rows_from(rows, kv_len, slots)
         tpr = self.sizes.tokens_per_req(SubForward.DECODE_CYCLE)
         dp_reqs = None if fb.global_num_tokens is None else [n // tpr for n in fb.global_num_tokens]
-        return CycleTensors(rows, kv_len, roots, *guesses, slots, list(fb.seq_lens_cpu), fb.host_lens_exact, dp_reqs)
+        return CycleTensors(rows, kv_len, roots, probs, tokens, hidden, slots, list(fb.seq_lens_cpu), fb.host_lens_exact, dp_reqs)
 
     def draft(self, cycle: CycleTensors, sub_forward: SubForwardFn) -> DraftTree:
         """The verify trees (without roots) from the draft loop, or from the kept guesses alone."""
@@ -179,7 +179,8 @@ class DecodeCycle:
             logits_indices=outcome.extend_logits_rows,
             spec_info=SpecInput(outcome.extend_hidden),
         )
-        self.states.store_cycle_end(cycle.rows, *sub_forward(SubForward.DRAFT_EXTEND, fb), outcome.cursors)
+        probs, tokens, hidden = sub_forward(SubForward.DRAFT_EXTEND, fb)
+        self.states.store_cycle_end(cycle.rows, probs, tokens, hidden, outcome.cursors)
 
     def _batch(self, cycle: CycleTensors, kind: SubForward, mode: ForwardMode, **fields) -> ForwardBatch:
         """A sub-forward's batch: kind's new tokens per request after each KV length L.

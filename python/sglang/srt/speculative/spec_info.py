@@ -80,17 +80,18 @@ class RequestStates:
         self.tokens.index_copy_(0, rows, tokens)
         self.hidden.index_copy_(0, rows, hidden.to(self.hidden.dtype))
 
-    def cycle_start(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def cycle_start(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(kv_len [bs], last tokens [bs], probs [bs, topk], tokens [bs, topk], hidden [bs, hidden])
         of the given rows: fresh tensors (kv_len and the last tokens are the columns of one
         [bs, 2]). On CUDA one launch."""
         if not self.cursors.is_cuda:
-            cursors, guesses = self.cursors[rows], (self.probs[rows], self.tokens[rows], self.hidden[rows])
+            gathered = tuple(t[rows] for t in self.buffers)
         else:
             from sglang.srt.kernels.spec_ops import gather_states  # triton ships with CUDA builds of torch
 
-            cursors, *guesses = gather_states(self.buffers, rows)
-        return *cursors.unbind(1), *guesses
+            gathered = gather_states(self.buffers, rows)
+        cursors, probs, tokens, hidden = gathered
+        return cursors[:, 0], cursors[:, 1], probs, tokens, hidden
 
     def store_cycle_end(
         self, rows: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, cursors: torch.Tensor
