@@ -23,6 +23,9 @@ smollm2="${SMOLLM2_GGUF:-/tmp/smollm2.gguf}"
 nextn_3_1_4="--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
 nextn_1_1_2="--speculative-algorithm NEXTN --speculative-num-steps 1 --speculative-eagle-topk 1 --speculative-num-draft-tokens 2"
 models="${MODELS:-/tmp/bench_models}"
+# The held-out prompts at concurrency 32: the bench flags, then `--` and every server's flags.
+heldout_c32=(--dataset-name file --dataset-path "$models/heldout_prompts.jsonl" --num-prompts 256 --random-output-len 256
+  --max-concurrency 32 -- --cuda-graph-max-bs 32 --enable-piecewise-cuda-graph)
 trained_deepseek() {  # trained_deepseek MINUTES: train the small DeepSeek into $models unless it is there ($MINUTES wins)
   [ -d "$models/deepseek-v3-mtp" ] || step train_deepseek 200 python3 -m sglang.tools.train_tiny_models --out "$models" \
     --device cuda --minutes "${MINUTES:-$1}" --models deepseek
@@ -118,9 +121,7 @@ case "$stage" in
       spec=""; [ "$variant" = nextn ] && spec=$nextn_3_1_4
       # shellcheck disable=SC2086
       step "serving_profile_$variant" 200 python3 benchmark/profile_serving.py --model-path "$models/deepseek-v3-mtp" \
-        --delay 1.0 --num-steps 200 --output-dir "$out/serving_profile_$variant" --dataset-name file \
-        --dataset-path "$models/heldout_prompts.jsonl" --num-prompts 256 --random-output-len 256 --max-concurrency 32 \
-        -- --cuda-graph-max-bs 32 --enable-piecewise-cuda-graph $spec
+        --delay 1.0 --num-steps 200 --output-dir "$out/serving_profile_$variant" "${heldout_c32[@]}" $spec
     done
     ;;
   serving-phases)  # the trained DeepSeek served at concurrency 32, plain and NEXTN 3/1/4, without the
@@ -143,8 +144,7 @@ case "$stage" in
     trained_deepseek 0.6
     if [ -n "${BEFORE_PYTHON:-}" ]; then
       step greedy_decode_ab 400 python3 benchmark/flag_ab.py --model-path "$models/deepseek-v3-mtp" --variant before= \
-        --engine "before=$BEFORE_PYTHON" --variant after= --rounds 2 --dataset-name file --dataset-path "$models/heldout_prompts.jsonl" \
-        --num-prompts 256 --random-output-len 256 --max-concurrency 32 -- --cuda-graph-max-bs 32 --enable-piecewise-cuda-graph
+        --engine "before=$BEFORE_PYTHON" --variant after= --rounds 2 "${heldout_c32[@]}"
       grep -A4 '^| variant' "$out/greedy_decode_ab.log" | tee -a "$out/summary.log"
     fi
     ;;
@@ -152,9 +152,7 @@ case "$stage" in
     # beside prefills (--enable-mixed-chunk)
     trained_deepseek 0.6
     step spec_mixed 500 python3 benchmark/flag_ab.py --model-path "$models/deepseek-v3-mtp" --variant plain= \
-      --variant nextn="$nextn_3_1_4" --variant nextn_mixed="$nextn_3_1_4 --enable-mixed-chunk" --rounds 2 \
-      --dataset-name file --dataset-path "$models/heldout_prompts.jsonl" --num-prompts 256 --random-output-len 256 \
-      --max-concurrency 32 -- --cuda-graph-max-bs 32 --enable-piecewise-cuda-graph
+      --variant nextn="$nextn_3_1_4" --variant nextn_mixed="$nextn_3_1_4 --enable-mixed-chunk" --rounds 2 "${heldout_c32[@]}"
     grep -A5 '^| variant' "$out/spec_mixed.log" | tee -a "$out/summary.log"
     ;;
   serving-spy)  # where each server process spends its CPU at concurrency 32 (py-spy, from stage_wheels.sh):
@@ -178,8 +176,7 @@ case "$stage" in
       step spec_kernels_ab 560 python3 benchmark/flag_ab.py --model-path "$models/deepseek-v3-mtp" --variant plain= \
         --variant n3_before="$nextn_3_1_4" --engine "n3_before=$BEFORE_PYTHON" --variant n3="$nextn_3_1_4" \
         --variant n1_before="$nextn_1_1_2" --engine "n1_before=$BEFORE_PYTHON" --variant n1="$nextn_1_1_2" --rounds 2 \
-        --dataset-name file --dataset-path "$models/heldout_prompts.jsonl" --num-prompts 256 --random-output-len 256 \
-        --max-concurrency 32 -- --cuda-graph-max-bs 32 --enable-piecewise-cuda-graph
+        "${heldout_c32[@]}"
       grep -A7 '^| variant' "$out/spec_kernels_ab.log" | tee -a "$out/summary.log"
     fi
     ;;
