@@ -88,9 +88,11 @@ def _gpu_args(**args) -> ServerArgs:
 
 
 def test_which_prefills_are_captured():
-    on = dict(enable_piecewise_cuda_graph=True)
+    on: dict = {}  # on by default on CUDA
     assert prefill_ragged_tokens(_gpu_args(**on), 4096, 256) == RaggedTokens(tuple(default_token_buckets(2048)), 16)
-    assert prefill_ragged_tokens(_gpu_args(), 4096, 256) is None  # off by default
+    assert prefill_ragged_tokens(_gpu_args(enable_piecewise_cuda_graph=True), 4096, 256) is not None  # SGLang's old flag
+    assert prefill_ragged_tokens(_gpu_args(disable_piecewise_cuda_graph=True), 4096, 256) is None
+    assert prefill_ragged_tokens(_gpu_args(disable_cuda_graph=True), 4096, 256) is None
     assert prefill_ragged_tokens(_gpu_args(tp_size=2, **on), 4096, 256) is not None  # TP without DP attention
     assert prefill_ragged_tokens(_gpu_args(piecewise_cuda_graph_tokens=[64], **on), 4096, 256).buckets == (64,)
     # Speculative prefills too (the target's keeping hidden states, the draft's extend).
@@ -302,6 +304,19 @@ def test_flag_is_ignored_on_cpu(caplog):
         args = ServerArgs(model_path="m", device="cpu", enable_piecewise_cuda_graph=True)
     assert not args.enable_piecewise_cuda_graph and args.disable_cuda_graph
     assert "--enable-piecewise-cuda-graph is ignored on CPU" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert not ServerArgs(model_path="m", device="cpu").enable_piecewise_cuda_graph
+        assert not ServerArgs(model_path="m", device="cuda", disable_cuda_graph=True).enable_piecewise_cuda_graph
+    assert not caplog.text  # off without a warning where nobody asked for it
+
+
+def test_default_and_disable_flags():
+    assert prepare_server_args(["--model-path", "m", "--device", "cuda"]).enable_piecewise_cuda_graph
+    assert not prepare_server_args(
+        ["--model-path", "m", "--device", "cuda", "--disable-piecewise-cuda-graph"]
+    ).enable_piecewise_cuda_graph
+    assert not prepare_server_args(["--model-path", "m", "--device", "cuda", "--disable-cuda-graph"]).enable_piecewise_cuda_graph
 
 
 @pytest.mark.parametrize(
@@ -309,6 +324,10 @@ def test_flag_is_ignored_on_cpu(caplog):
     [
         (["--piecewise-cuda-graph-max-tokens", "0"], "--piecewise-cuda-graph-max-tokens must be >= 1"),
         (["--piecewise-cuda-graph-tokens", "64", "0"], "--piecewise-cuda-graph-tokens values must be >= 1"),
+        (
+            ["--enable-piecewise-cuda-graph", "--disable-piecewise-cuda-graph"],
+            "--enable-piecewise-cuda-graph and --disable-piecewise-cuda-graph contradict each other",
+        ),
     ],
 )
 def test_bad_flag_values_name_the_flag(flags, message, capsys):

@@ -135,10 +135,16 @@ class ServerArgs:
     )
     cuda_graph_max_bs: Optional[int] = field(default=None, metadata=_arg("Largest per-rank batch size captured in a CUDA graph."))
     cuda_graph_bs: Optional[list[int]] = field(default=None, metadata=_arg("Batch sizes to capture.", nargs="+", type=int))
-    enable_piecewise_cuda_graph: bool = field(
+    disable_piecewise_cuda_graph: bool = field(
         default=False,
         metadata=_arg(
-            "Capture prefill (extend) forwards in CUDA graphs at token buckets, attention included: a prefill of up to --piecewise-cuda-graph-max-tokens tokens is one graph replay (CUDA only; ignored on CPU)."
+            "Run prefill (extend) forwards eagerly. By default a CUDA server with CUDA graphs also captures prefills at token buckets, attention included: a prefill of up to --piecewise-cuda-graph-max-tokens tokens is one graph replay."
+        ),
+    )
+    enable_piecewise_cuda_graph: Optional[bool] = field(
+        default=None,
+        metadata=_arg(
+            "Prefill CUDA graphs are on by default (see --disable-piecewise-cuda-graph); this flag is accepted for SGLang command lines that still pass it. Resolved: whether prefills are captured."
         ),
     )
     piecewise_cuda_graph_max_tokens: Optional[int] = field(
@@ -280,10 +286,19 @@ class ServerArgs:
             self._resolve_speculative_defaults()
 
     def _resolve_piecewise_cuda_graph(self) -> None:
-        """Prefill graphs need CUDA: on CPU the flag is ignored (one warning)."""
-        if self.enable_piecewise_cuda_graph and self.device == "cpu":
+        """Prefill graphs are on wherever decode graphs are (CUDA, no --disable-cuda-graph)
+        unless --disable-piecewise-cuda-graph; an explicit --enable-piecewise-cuda-graph that
+        cannot be honoured says why (one warning)."""
+        asked = self.enable_piecewise_cuda_graph
+        if asked and self.disable_piecewise_cuda_graph:
+            raise ValueError("--enable-piecewise-cuda-graph and --disable-piecewise-cuda-graph contradict each other")
+        if asked and self.device == "cpu":
             logger.warning("--enable-piecewise-cuda-graph is ignored on CPU: CUDA graphs need CUDA")
-            self.enable_piecewise_cuda_graph = False
+        elif asked and self.disable_cuda_graph:
+            logger.warning("--enable-piecewise-cuda-graph is ignored under --disable-cuda-graph")
+        self.enable_piecewise_cuda_graph = (
+            self.device == "cuda" and not self.disable_cuda_graph and not self.disable_piecewise_cuda_graph
+        )
 
     def _fall_back_from_flashinfer(self, fallback: str) -> None:
         """SGLang command lines name flashinfer; this server has no flashinfer backend, so they

@@ -532,7 +532,7 @@ class CudaGraphRunner:
             except torch.OutOfMemoryError as e:
                 free = torch.cuda.mem_get_info(device)[0]
                 smaller = (
-                    "Lower --piecewise-cuda-graph-max-tokens (or drop --enable-piecewise-cuda-graph)"
+                    "Lower --piecewise-cuda-graph-max-tokens (or pass --disable-piecewise-cuda-graph)"
                     if key.ragged_tokens
                     else "Lower --cuda-graph-max-bs"
                 )

@@ -120,7 +120,7 @@ class ModelRunner:
         head its model uses instead of its own (all in place before capture); head_vocab: a
         shard_token_subset layout its LM head is restricted to (CausalLM.restrict_head). graph_modes: what
         its CUDA graphs capture (default: PLAIN_GRAPH_MODES); a mode at SERVER_PREFILL_BUCKETS
-        is captured at --enable-piecewise-cuda-graph's buckets. open_ipc_collectives: False when
+        is captured at the server's prefill buckets. open_ipc_collectives: False when
         another runner of the process has opened the IPC buffers, sized for its forwards and
         this one's."""
         self.model_config = model_config
@@ -296,7 +296,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ CUDA graphs
     def _graph_modes(self) -> dict[ModeKey, CapturedMode]:
         """The modes captured in CUDA graphs (empty: no graphs): graph_modes, their prefill
-        modes at --enable-piecewise-cuda-graph's buckets (prefill_graphs.py)."""
+        modes at the prefill buckets (prefill_graphs.py; off under --disable-piecewise-cuda-graph)."""
         args = self.server_args
         if args.disable_cuda_graph or args.device != "cuda":
             return {}
