@@ -304,7 +304,9 @@ def store_states(buffers: tuple[torch.Tensor, ...], rows: torch.Tensor, new: tup
     """Row rows[i] of each state buffer (cursors, probs, tokens, hidden) = row i of its
     counterpart in `new` ([bs, 2], [bs, topk], [bs, topk], [bs, hidden], any strides), cast
     to the buffer's dtype, in one launch; the dummy row's cursors become (0, 0). Rows other
-    than dummy_row are distinct (the dummy row keeps the values of one of its requests)."""
+    than dummy_row are distinct. The padded requests' programs store into the dummy row at
+    once, so each of its values is that of one of them, not necessarily the same one for every
+    column (a mix of padded rows' values: only padded requests read it)."""
     bs = rows.shape[0]
     assert all(n.shape == (bs, t.shape[1]) for n, t in zip(new, buffers, strict=True))
     if not bs:
