@@ -1,4 +1,4 @@
-"""GPU check and timing of prefill CUDA graphs (--enable-piecewise-cuda-graph) against eager prefill.
+"""GPU check and timing of prefill CUDA graphs (on by default; --disable-piecewise-cuda-graph) against eager prefill.
 
 0. `engine`: tiny random Llama and DeepSeek-V3 checkpoints (the latter also with NEXTN 3/1/4,
    whose target prefill and draft extend replay prefill graphs), float32 and bfloat16, run
@@ -90,8 +90,8 @@ def check_engine() -> bool:
     for name, make, extra in ENGINE_CASES:
         path = make(tempfile.mkdtemp(prefix="prefill-graph-"))
         for dtype in ("float32", "bfloat16"):
-            decode_only = greedy_tokens(path, dtype, {**GRAPH_ARGS, **extra})
-            with_prefill = greedy_tokens(path, dtype, {**GRAPH_ARGS, **extra, "enable_piecewise_cuda_graph": True})
+            decode_only = greedy_tokens(path, dtype, {**GRAPH_ARGS, **extra, "disable_piecewise_cuda_graph": True})
+            with_prefill = greedy_tokens(path, dtype, {**GRAPH_ARGS, **extra})
             identical = decode_only == with_prefill
             ok &= identical or dtype != "float32"
             row = {"check": "engine", "model": name, "dtype": dtype, "identical": identical}
@@ -107,7 +107,6 @@ def make_runner(config: str, tokens: list[int] | None) -> ModelRunner:
         cuda_graph_bs=[1],
         max_running_requests=32,  # the cases' requests and the timed ones, never freed
         max_total_tokens=16384,
-        enable_piecewise_cuda_graph=True,
         piecewise_cuda_graph_tokens=tokens,
     )
     runner = load_runner(args)

@@ -201,8 +201,8 @@ def exact_reference(out: str, tiny: str, items: list) -> list:
     return reference
 
 
-# --modes: the server flags of each.
-MODE_FLAGS = {"eager": ["--disable-cuda-graph"], "graphs": [], "prefill-graphs": ["--enable-piecewise-cuda-graph"]}
+# --modes: the server flags of each ("graphs": decode graphs only; prefill graphs are on by default).
+MODE_FLAGS = {"eager": ["--disable-cuda-graph"], "graphs": ["--disable-piecewise-cuda-graph"], "prefill-graphs": []}
 
 
 def check_exact(out: str, parallel: str, tiny: str, items: list, reference: list, specs: list[str], modes: list[str]) -> None:
