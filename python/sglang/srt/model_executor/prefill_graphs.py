@@ -10,8 +10,8 @@ bs + (1 if n < T else 0) <= R.
 
 A runner names the prefill forwards it captures among its graph modes, with
 SERVER_PREFILL_BUCKETS in place of the buckets (ModelRunner puts this server's buckets there,
-or drops the mode when prefill graphs are off: --disable-piecewise-cuda-graph, or no decode graphs): a plain runner its prefill (logits of each request's
-last row), a speculative target its prefill keeping every token's hidden state, the draft its
+or drops the mode when prefill graphs are off: --disable-piecewise-cuda-graph, or no decode
+graphs): a plain runner its prefill (logits of each request's last row), a speculative target its prefill keeping every token's hidden state, the draft its
 extend over the prompt (the target's hidden states in, the last row's logits and hidden state
 out). Under DP attention every rank replays the same bucket in a prefill iteration, chosen from
 the plan (CudaGraphRunner._dp_ragged_key), or every rank runs eagerly.
@@ -93,9 +93,10 @@ def prefill_token_buckets(given: Optional[Sequence[int]], max_tokens: Optional[i
 
 
 def prefill_ragged_tokens(args: ServerArgs, limit: int, max_running_requests: int) -> Optional[RaggedTokens]:
-    """The prefill graphs this server captures (limit: see prefill_token_buckets), or None: prefill
-    graphs are off (ServerArgs.enable_piecewise_cuda_graph, resolved), or no bucket is left. A batch holds at most max_running_requests requests, so
-    no graph has rows for more (and the padding request)."""
+    """The prefill graphs this server captures (limit: see prefill_token_buckets), or None:
+    prefill graphs are off (ServerArgs.enable_piecewise_cuda_graph, resolved), or no bucket is
+    left. A batch holds at most max_running_requests requests, so no graph has rows for more
+    (and the padding request)."""
     if not args.enable_piecewise_cuda_graph:
         return None
     buckets = prefill_token_buckets(args.piecewise_cuda_graph_tokens, args.piecewise_cuda_graph_max_tokens, limit)
