@@ -11,10 +11,11 @@ bs + (1 if n < T else 0) <= R.
 A runner names the prefill forwards it captures among its graph modes, with
 SERVER_PREFILL_BUCKETS in place of the buckets (ModelRunner puts this server's buckets there,
 or drops the mode when prefill graphs are off: --disable-piecewise-cuda-graph, or no decode
-graphs): a plain runner its prefill (logits of each request's last row), a speculative target its prefill keeping every token's hidden state, the draft its
-extend over the prompt (the target's hidden states in, the last row's logits and hidden state
-out). Under DP attention every rank replays the same bucket in a prefill iteration, chosen from
-the plan (CudaGraphRunner._dp_ragged_key), or every rank runs eagerly.
+graphs): a plain runner its prefill (logits of each request's last row), a speculative target
+its prefill keeping every token's hidden state, the draft its extend over the prompt (the
+target's hidden states in, the last row's logits and hidden state out). Under DP attention
+every rank replays the same bucket in a prefill iteration, chosen from the plan
+(CudaGraphRunner._dp_ragged_key), or every rank runs eagerly.
 """
 
 from __future__ import annotations
