@@ -88,21 +88,21 @@ def _gpu_args(**args) -> ServerArgs:
 
 
 def test_which_prefills_are_captured():
-    on: dict = {}  # on by default on CUDA
-    assert prefill_ragged_tokens(_gpu_args(**on), 4096, 256) == RaggedTokens(tuple(default_token_buckets(2048)), 16)
+    # On by default on CUDA.
+    assert prefill_ragged_tokens(_gpu_args(), 4096, 256) == RaggedTokens(tuple(default_token_buckets(2048)), 16)
     assert prefill_ragged_tokens(_gpu_args(enable_piecewise_cuda_graph=True), 4096, 256) is not None  # SGLang's old flag
     assert prefill_ragged_tokens(_gpu_args(disable_piecewise_cuda_graph=True), 4096, 256) is None
     assert prefill_ragged_tokens(_gpu_args(disable_cuda_graph=True), 4096, 256) is None
-    assert prefill_ragged_tokens(_gpu_args(tp_size=2, **on), 4096, 256) is not None  # TP without DP attention
-    assert prefill_ragged_tokens(_gpu_args(piecewise_cuda_graph_tokens=[64], **on), 4096, 256).buckets == (64,)
+    assert prefill_ragged_tokens(_gpu_args(tp_size=2), 4096, 256) is not None  # TP without DP attention
+    assert prefill_ragged_tokens(_gpu_args(piecewise_cuda_graph_tokens=[64]), 4096, 256).buckets == (64,)
     # Speculative prefills too (the target's keeping hidden states, the draft's extend).
-    spec = _gpu_args(speculative_algorithm="NEXTN", **on)
+    spec = _gpu_args(speculative_algorithm="NEXTN")
     assert spec.enable_piecewise_cuda_graph and prefill_ragged_tokens(spec, 4096, 256) is not None
     # DP attention too (every rank replays the bucket chosen from the plan).
-    dp = _gpu_args(tp_size=2, dp_size=2, enable_dp_attention=True, **on)
+    dp = _gpu_args(tp_size=2, dp_size=2, enable_dp_attention=True)
     assert dp.enable_piecewise_cuda_graph and prefill_ragged_tokens(dp, 4096, 256) is not None
     # Two running requests at most: rows for them and the padding request.
-    assert prefill_ragged_tokens(_gpu_args(**on), 4096, 2).max_rows == 3
+    assert prefill_ragged_tokens(_gpu_args(), 4096, 2).max_rows == 3
 
 
 def test_runners_put_the_server_buckets_in_their_prefill_modes():
