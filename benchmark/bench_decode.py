@@ -39,6 +39,26 @@ def dummy_model_dir(config_path: str) -> str:
     return out
 
 
+def add_model_source_args(parser: argparse.ArgumentParser) -> None:
+    """--config or --model-path (one of them), and --draft-config."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="HF config.json: random weights of that shape")
+    source.add_argument("--model-path", help="a real model")
+    parser.add_argument("--draft-config", help="HF config.json of a draft model: random weights of that shape (with --config)")
+
+
+def model_source_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The engine flags of add_model_source_args' choice: the model, dummy weights for a config."""
+    if args.draft_config and not args.config:
+        parser.error("--draft-config needs --config (random weights for both models)")
+    if not args.config:
+        return ["--model-path", args.model_path]
+    flags = ["--model-path", dummy_model_dir(args.config), "--load-format", "dummy"]
+    if args.draft_config:
+        flags += ["--speculative-draft-model-path", dummy_model_dir(args.draft_config)]
+    return flags
+
+
 def timed_generate(engine: sgl.Engine, prompts: list[list[int]], out_len: int) -> tuple[float, int]:
     """Seconds for the batch, and the verify steps of its first request (0 without speculation)."""
     params = {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}
@@ -79,24 +99,14 @@ def main() -> None:
     engine_argv = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--config", help="HF config.json: random weights of that shape")
-    source.add_argument("--model-path", help="a real model")
+    add_model_source_args(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--result-file", help="append one JSON line per batch size")
-    parser.add_argument("--draft-config", help="HF config.json of a draft model: random weights of that shape (with --config)")
     args = parser.parse_args(argv)
-    if args.draft_config and not args.config:
-        parser.error("--draft-config needs --config (random weights for both models)")
-
-    model_path = dummy_model_dir(args.config) if args.config else args.model_path
-    extra = ["--load-format", "dummy"] if args.config else []
-    if args.draft_config:
-        extra += ["--speculative-draft-model-path", dummy_model_dir(args.draft_config)]
-    server_args = prepare_server_args(["--model-path", model_path, *extra, *engine_argv])
+    server_args = prepare_server_args([*model_source_flags(parser, args), *engine_argv])
     engine = sgl.Engine(**vars(server_args))
     try:
         weight_bytes = engine.get_server_info()["internal_states"][0].get("weight_bytes")

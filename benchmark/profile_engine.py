@@ -6,6 +6,8 @@ and idle time, CUDA calls per iteration: trace_summary.py); the traces stay in -
 
     python benchmark/profile_engine.py --model-path bench_models/deepseek-v3-mtp --batch-size 1 \\
         -- --disable-cuda-graph --speculative-algorithm NEXTN
+    python benchmark/profile_engine.py --config benchmark/configs/llama-3.1-8b.json \\
+        --draft-config benchmark/configs/llama-3.1-8b-eagle.json -- --speculative-algorithm EAGLE
 
 Flags after `--` go to the engine.
 """
@@ -21,7 +23,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode import dummy_model_dir, synthetic_prompts
+from bench_decode import add_model_source_args, model_source_flags, synthetic_prompts
 from trace_summary import load_events, summarize
 
 import sglang as sgl
@@ -32,9 +34,7 @@ def main() -> None:
     argv = sys.argv[1:]
     engine_argv = argv[argv.index("--") + 1 :] if "--" in argv else []
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model-path", help="a real model")
-    source.add_argument("--config", help="HF config.json: random weights of that shape")
+    add_model_source_args(parser)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
@@ -42,9 +42,7 @@ def main() -> None:
     parser.add_argument("--output-dir", default=None, help="default: a new temporary directory")
     parser.add_argument("--rows", type=int, default=30, help="rows of each table to print")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    model_path = dummy_model_dir(args.config) if args.config else args.model_path
-    dummy = ["--load-format", "dummy"] if args.config else []
-    server_args = prepare_server_args(["--model-path", model_path, *dummy, *engine_argv])
+    server_args = prepare_server_args([*model_source_flags(parser, args), *engine_argv])
     out_dir = args.output_dir or tempfile.mkdtemp(prefix="profile-")
     prompts = synthetic_prompts(args.batch_size, args.input_len)
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
