@@ -10,6 +10,9 @@ import pytest
 import torch
 import triton
 
+from sglang.srt.batch.forward_batch_info import ForwardBatch
+from sglang.srt.kernels.attention.common import PREFIX_BLOCK, build_kv_metadata
+from sglang.srt.kernels.attention.decode import MAX_KV_SPLITS, MIN_TOKENS_PER_SPLIT, num_kv_splits
 from sglang.srt.kernels.moe.grouped_gemm import (
     MAX_PAIRS_ONE_PROGRAM,
     _align_by_expert_torch,
@@ -21,7 +24,7 @@ from sglang.srt.kernels.moe.grouped_gemm import (
 )
 from sglang.srt.kernels.moe.routing import select_experts_triton
 from sglang.srt.kernels.moe.routing_config import RoutingConfig
-from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend, TritonAttnMetadata
 from sglang.srt.layers.moe.fused_moe import moe_forward_native
 from sglang.srt.layers.moe.topk import select_experts
 from sglang.test.attention_batches import AttnShape, make_attention_batch
@@ -100,6 +103,101 @@ def test_zero_row_batch(shape):
     backend.init_forward_metadata(fb)
     out = backend.forward(q, k, v, shape.layer(), fb)
     assert out.shape == (0, shape.num_heads * shape.v_head_dim)
+
+
+def _indptr(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+
+
+def _gathered_slots(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    return torch.cat([table[r, :n] for r, n in zip(rows.tolist(), seq_lens.tolist())] + [table.new_empty(0)])
+
+
+@kernel_test
+@pytest.mark.parametrize("bs", [0, 1, 7, 2 * PREFIX_BLOCK + 45])
+@pytest.mark.parametrize("seq_dtype", [torch.int64, torch.int32])
+def test_kv_metadata_matches_torch(bs, seq_dtype):
+    """One launch gives the cumsum offsets, the gathered slots and num_kv_splits; the largest
+    batch sums its earlier lengths over several PREFIX_BLOCK steps."""
+    gen = torch.Generator().manual_seed(bs)
+    width = MIN_TOKENS_PER_SPLIT * MAX_KV_SPLITS + 70  # one request's splits reach the cap
+    seq_lens = torch.randint(0, 100, (bs,), generator=gen)
+    seq_lens[bs // 2 :: 97] = 0
+    seq_lens[bs // 3 :: 101] = width
+    ext_lens = torch.minimum(torch.randint(0, 9, (bs,), generator=gen), seq_lens)
+    table = torch.randint(0, 1 << 40, (bs + 3, width), generator=gen)
+    rows = torch.randperm(bs + 3, generator=gen)[:bs]
+    seq_lens, ext_lens, table, rows = (t.to(DEVICE) for t in (seq_lens.to(seq_dtype), ext_lens.to(seq_dtype), table, rows))
+    new = lambda n, dtype=torch.int32: torch.full((n,), -1, dtype=dtype, device=DEVICE)
+    kv_indptr, qo_indptr, splits = new(bs + 1), new(bs + 1), new(bs)
+    kv_indices = new(int(seq_lens.sum()) + 5, torch.int64)
+    build_kv_metadata(
+        table,
+        rows,
+        seq_lens,
+        kv_indptr,
+        kv_indices,
+        split_tokens=MIN_TOKENS_PER_SPLIT,
+        max_splits=MAX_KV_SPLITS,
+        num_kv_splits=splits,
+        extend_seq_lens=ext_lens,
+        qo_indptr=qo_indptr,
+    )
+    assert torch.equal(kv_indptr, _indptr(seq_lens))
+    assert torch.equal(qo_indptr, _indptr(ext_lens))
+    assert torch.equal(splits, num_kv_splits(seq_lens))
+    total = int(seq_lens.sum())
+    assert torch.equal(kv_indices[:total], _gathered_slots(table, rows, seq_lens))
+    assert (kv_indices[total:] == -1).all()  # nothing written past the batch's slots
+
+
+def _backend_metadata(fb: ForwardBatch, graph: bool) -> TritonAttnMetadata:
+    """The Triton backend's metadata for fb, eager or as a captured forward builds it."""
+    backend = TritonAttnBackend()
+    if graph:
+        backend.init_cuda_graph_state(fb.batch_size, fb.batch_size * fb.req_to_token_pool.req_to_token.shape[1], DEVICE)
+        backend.init_forward_metadata_graph(fb, max(fb.extend_seq_lens_cpu, default=0))
+    else:
+        backend.init_forward_metadata(fb)
+    return backend.metadata
+
+
+@kernel_test
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize(
+    "ext_lens, prefix_lens, tree",
+    [
+        ([1] * 5, [0, 63, 64, 200, 1100], False),  # decode
+        ([1] * 300, list(range(0, 900, 3)), False),  # decode, more requests than PREFIX_BLOCK
+        ([5, 17, 0, 70, 1], [0, 40, 3, 16, 9], False),  # extend
+        ([4, 6, 1], [10, 0, 65], True),  # tree verify
+    ],
+)
+def test_backend_metadata_matches_torch(ext_lens, prefix_lens, tree, graph):
+    """The metadata of eager and captured forwards: the decode kernel's offsets, slots and
+    splits, or the extend kernel's offsets and slots, as plain-PyTorch formulas give them."""
+    fb, *_ = make_attention_batch(ATTN_SHAPES[0], ext_lens, prefix_lens, DTYPES[0], DEVICE, tree)
+    meta = _backend_metadata(fb, graph)
+    decode = not tree and all(e == 1 for e in ext_lens)
+    assert meta.use_decode_kernel == decode
+    assert torch.equal(meta.kv_indptr, _indptr(fb.seq_lens))
+    total = sum(fb.seq_lens_cpu)
+    assert torch.equal(
+        meta.kv_indices[:total], _gathered_slots(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens)
+    )
+    if decode:
+        assert meta.qo_indptr is None and torch.equal(meta.num_kv_splits, num_kv_splits(fb.seq_lens))
+    else:
+        assert meta.num_kv_splits is None and torch.equal(meta.qo_indptr, _indptr(fb.extend_seq_lens))
+
+
+@kernel_test
+@pytest.mark.parametrize("graph", [False, True])
+def test_backend_metadata_of_no_request(graph):
+    meta = _backend_metadata(make_attention_batch(ATTN_SHAPES[0], [], [], DTYPES[0], DEVICE)[0], graph)
+    assert meta.kv_indptr.tolist() == [0]
+    assert meta.qo_indptr is None or meta.qo_indptr.tolist() == [0]
+    assert meta.num_kv_splits is None or meta.num_kv_splits.numel() == 0
 
 
 # (tokens, experts, top_k, hidden, intermediate): 0 rows, decode-sized, several blocks per

@@ -1,9 +1,11 @@
-"""Helpers shared by the attention kernels: KV index flattening, head-dim tiling, and the
-query load and running-softmax step of the decode and extend kernels."""
+"""Helpers shared by the attention kernels: a batch's index arrays (KV and query offsets,
+flattened KV slots, KV splits) built in one launch, head-dim tiling, and the query load and
+running-softmax step of the decode and extend kernels."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -12,44 +14,109 @@ import triton.language as tl
 from sglang.srt.utils.int_math import next_power_of_2
 
 LOG2E = 1.4426950408889634  # the kernels keep scores in base 2: exp(x) = exp2(x * LOG2E)
+PREFIX_BLOCK = 256  # earlier requests' lengths summed per step (one kernel variant for every bs)
 
 
 @triton.jit
-def _fill_kv_indices_kernel(
+def _exclusive_sum(lengths, i, BLOCK: tl.constexpr):
+    """sum(lengths[:i]) as int64, BLOCK entries a step."""
+    acc = tl.zeros([BLOCK], dtype=tl.int64)
+    for off in range(0, i, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        acc += tl.load(lengths + idx, mask=idx < i, other=0)
+    return tl.sum(acc)
+
+
+@triton.jit
+def _kv_metadata_kernel(
     req_to_token,
     req_pool_indices,
+    seq_lens,
     kv_indptr,
     kv_indices,
+    extend_seq_lens,
+    qo_indptr,
+    num_kv_splits,
     stride_row,
+    PREFIX_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
+    WRITE_QO: tl.constexpr,
+    WRITE_SPLITS: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):
-    # One program per request: copy its first seq_len slots from the request->token table.
+    # One program per request; each sums the lengths before its own, so no program reads
+    # another's output. Stores cast to the outputs' dtypes (int32 indptrs and splits).
     i = tl.program_id(0)
+    start = _exclusive_sum(seq_lens, i, PREFIX_BLOCK)
+    n = tl.load(seq_lens + i)
+    if i == 0:
+        tl.store(kv_indptr, 0)
+    tl.store(kv_indptr + i + 1, start + n)
+    # Copy the request's first seq_len slots from the request->token table.
     row = tl.load(req_pool_indices + i).to(tl.int64)
-    start = tl.load(kv_indptr + i)
-    n = tl.load(kv_indptr + i + 1) - start
     for off in range(0, n, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         valid = cols < n
         slots = tl.load(req_to_token + row * stride_row + cols, mask=valid)
         tl.store(kv_indices + start + cols, slots, mask=valid)
+    if WRITE_QO:
+        q_start = _exclusive_sum(extend_seq_lens, i, PREFIX_BLOCK)
+        if i == 0:
+            tl.store(qo_indptr, 0)
+        tl.store(qo_indptr + i + 1, q_start + tl.load(extend_seq_lens + i))
+    if WRITE_SPLITS:
+        # decode.num_kv_splits's formula.
+        splits = tl.minimum(tl.maximum((n + SPLIT_TOKENS - 1) // SPLIT_TOKENS, 1), MAX_SPLITS)
+        tl.store(num_kv_splits + i, splits)
 
 
-def build_kv_indices(
+def build_kv_metadata(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
+    *,
+    split_tokens: int,
+    max_splits: int,
+    num_kv_splits: Optional[torch.Tensor] = None,
+    extend_seq_lens: Optional[torch.Tensor] = None,
+    qo_indptr: Optional[torch.Tensor] = None,
 ) -> None:
-    """Fill kv_indices[kv_indptr[i]:kv_indptr[i+1]] with request i's KV slots, on device.
+    """Fill the paged-attention index arrays of a batch of bs requests in one launch, on device.
 
-    kv_indices must hold at least kv_indptr[-1] entries (callers size it from host lengths
-    or a static capacity, so nothing is read back).
+    kv_indptr ([bs + 1] int32) gets [0, cumsum(seq_lens)] and kv_indices[kv_indptr[i]:
+    kv_indptr[i+1]] request i's KV slots; kv_indices must hold at least sum(seq_lens) entries
+    (callers size it from host lengths or a static capacity, so nothing is read back). With
+    num_kv_splits ([bs] int32): clamp(ceil(seq_lens / split_tokens), 1, max_splits), as
+    decode.num_kv_splits with its constants. With qo_indptr ([bs + 1] int32): [0,
+    cumsum(extend_seq_lens)].
     """
     bs = req_pool_indices.shape[0]
     if bs == 0:
+        kv_indptr.zero_()
+        if qo_indptr is not None:
+            qo_indptr.zero_()
         return
-    _fill_kv_indices_kernel[(bs,)](req_to_token, req_pool_indices, kv_indptr, kv_indices, req_to_token.stride(0), BLOCK=512)
+    write_qo, write_splits = qo_indptr is not None, num_kv_splits is not None
+    _kv_metadata_kernel[(bs,)](
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        kv_indptr,
+        kv_indices,
+        extend_seq_lens if write_qo else seq_lens,  # placeholder pointers, never read or written
+        qo_indptr if write_qo else kv_indptr,
+        num_kv_splits if write_splits else kv_indptr,
+        req_to_token.stride(0),
+        PREFIX_BLOCK=PREFIX_BLOCK,
+        BLOCK=512,
+        WRITE_QO=write_qo,
+        WRITE_SPLITS=write_splits,
+        SPLIT_TOKENS=split_tokens,
+        MAX_SPLITS=max_splits,
+    )
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,8 @@ def default_tile(tiling: HeadDimTiling) -> DecodeTile:
 
 def num_kv_splits(seq_lens: torch.Tensor) -> torch.Tensor:
     """Split units per request: one per MIN_TOKENS_PER_SPLIT tokens, capped (device op, no sync).
-    A kernel of BLOCK_N-token blocks runs MIN_TOKENS_PER_SPLIT // BLOCK_N splits per unit."""
+    A kernel of BLOCK_N-token blocks runs MIN_TOKENS_PER_SPLIT // BLOCK_N splits per unit.
+    common.build_kv_metadata computes the same in its kernel, from these constants."""
     return ((seq_lens + MIN_TOKENS_PER_SPLIT - 1) // MIN_TOKENS_PER_SPLIT).clamp(1, MAX_KV_SPLITS).to(torch.int32)
 
 
@@ -215,7 +216,7 @@ def decode_attention(
     """q: [bs, H, Lk]; k_cache: [slots, Hkv, Lk]; v_cache: [slots, Hkv, Lv]; out: [bs, H, Lv].
 
     Request i attends to the slots kv_indices[kv_indptr[i]:kv_indptr[i+1]]; num_splits[i]
-    (int32, 1..MAX_KV_SPLITS, from num_kv_splits) sets how many programs share its KV.
+    (int32, 1..MAX_KV_SPLITS, num_kv_splits's units) sets how many programs share its KV.
     `tile` overrides default_tile (benchmarks).
     """
     bs, num_heads, lk = q.shape

@@ -1,8 +1,9 @@
 """Triton paged attention (CUDA): decode, extend with cached prefix, tree-masked verify.
 
-`init_forward_metadata` builds, once per eager forward and entirely on device, the index
-arrays every layer's kernels read. The sizes it needs (batch size, total KV tokens,
-longest query) come from the batch's host-side length lists, never from device reads.
+`init_forward_metadata` builds, once per eager forward, the index arrays every layer's
+kernels read, in one kernel launch (build_kv_metadata). The sizes it needs (batch size,
+total KV tokens, longest query) come from the batch's host-side length lists, never from
+device reads.
 
 Under CUDA graphs, `init_forward_metadata_graph` runs *inside* the captured graph: it reads
 only device tensors and writes the flattened KV indices into one max-size buffer allocated
@@ -17,8 +18,8 @@ from typing import Optional
 import torch
 
 from sglang.srt.batch.forward_batch_info import ForwardBatch
-from sglang.srt.kernels.attention.common import build_kv_indices, q_heads_view
-from sglang.srt.kernels.attention.decode import decode_attention, num_kv_splits
+from sglang.srt.kernels.attention.common import build_kv_metadata, q_heads_view
+from sglang.srt.kernels.attention.decode import MAX_KV_SPLITS, MIN_TOKENS_PER_SPLIT, decode_attention
 from sglang.srt.kernels.attention.extend import extend_attention
 from sglang.srt.layers.attention.base import AttentionBackend, load_kv
 from sglang.srt.layers.radix_attention import RadixAttention
@@ -28,18 +29,12 @@ from sglang.srt.layers.radix_attention import RadixAttention
 class TritonAttnMetadata:
     """Per-forward metadata shared by every layer (all tensors on the batch's device)."""
 
-    qo_indptr: torch.Tensor  # [bs + 1] int32: request i's query rows are qo_indptr[i]:qo_indptr[i+1]
-    kv_indptr: torch.Tensor  # [bs + 1] int32: same for its KV positions in kv_indices
-    kv_indices: torch.Tensor  # [sum(seq_lens)] int64: KV slot of each (request, position)
+    kv_indptr: torch.Tensor  # [bs + 1] int32: request i's KV slots are kv_indices[kv_indptr[i]:kv_indptr[i+1]]
+    kv_indices: torch.Tensor  # [>= sum(seq_lens)] int64: KV slot of each (request, position)
     max_extend_len: int  # longest query of the batch (host value; sizes the extend grid)
     use_decode_kernel: bool  # one query token per request and no custom mask
     num_kv_splits: Optional[torch.Tensor]  # [bs] int32, decode only: programs sharing one request's KV
-
-
-def _indptr(lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    out = torch.zeros(lengths.shape[0] + 1, dtype=dtype, device=lengths.device)
-    out[1:] = torch.cumsum(lengths, 0)
-    return out
+    qo_indptr: Optional[torch.Tensor]  # [bs + 1] int32, extend only: same for its query rows in q
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -55,33 +50,43 @@ class TritonAttnBackend(AttentionBackend):
         """Static-shape metadata for a captured forward: every request has max_extend_len
         query tokens; no host length is read. Needs init_cuda_graph_state first."""
         fb = forward_batch
-        kv_indptr = _indptr(fb.seq_lens, torch.int32)
-        # Every request's KV fits in one table row, so the capacity bounds kv_indptr[-1].
-        build_kv_indices(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, kv_indptr, self.graph_kv_indices)
         use_decode = fb.custom_mask is None and max_extend_len == 1
-        self.metadata = self._metadata(fb, kv_indptr, self.graph_kv_indices, max_extend_len, use_decode)
+        # Every request's KV fits in one table row, so the capacity bounds sum(seq_lens).
+        self.metadata = self._metadata(fb, self.graph_kv_indices, max_extend_len, use_decode)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
-        kv_indptr = _indptr(fb.seq_lens, torch.int32)
         kv_indices = torch.empty(sum(fb.seq_lens_cpu), dtype=torch.int64, device=fb.seq_lens.device)
-        build_kv_indices(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, kv_indptr, kv_indices)
         use_decode = fb.custom_mask is None and all(e == 1 for e in fb.extend_seq_lens_cpu)
-        self.metadata = self._metadata(fb, kv_indptr, kv_indices, max(fb.extend_seq_lens_cpu, default=0), use_decode)
+        self.metadata = self._metadata(fb, kv_indices, max(fb.extend_seq_lens_cpu, default=0), use_decode)
 
     @staticmethod
-    def _metadata(
-        fb: ForwardBatch, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, max_extend_len: int, use_decode: bool
-    ) -> TritonAttnMetadata:
-        """use_decode: one query token per request and no custom mask."""
-        seq_lens, ext_lens = fb.seq_lens, fb.extend_seq_lens
+    def _metadata(fb: ForwardBatch, kv_indices: torch.Tensor, max_extend_len: int, use_decode: bool) -> TritonAttnMetadata:
+        """One kernel launch fills kv_indices and the offsets (and splits) the chosen kernel
+        reads. use_decode: one query token per request and no custom mask."""
+        bs, device = fb.req_pool_indices.shape[0], fb.seq_lens.device
+        kv_indptr = torch.empty(bs + 1, dtype=torch.int32, device=device)
+        num_kv_splits = torch.empty(bs, dtype=torch.int32, device=device) if use_decode else None
+        qo_indptr = None if use_decode else torch.empty(bs + 1, dtype=torch.int32, device=device)
+        build_kv_metadata(
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            kv_indptr,
+            kv_indices,
+            split_tokens=MIN_TOKENS_PER_SPLIT,
+            max_splits=MAX_KV_SPLITS,
+            num_kv_splits=num_kv_splits,
+            extend_seq_lens=fb.extend_seq_lens,
+            qo_indptr=qo_indptr,
+        )
         return TritonAttnMetadata(
-            qo_indptr=_indptr(ext_lens, torch.int32),
             kv_indptr=kv_indptr,
             kv_indices=kv_indices,
             max_extend_len=max_extend_len,
             use_decode_kernel=use_decode,
-            num_kv_splits=num_kv_splits(seq_lens) if use_decode else None,
+            num_kv_splits=num_kv_splits,
+            qo_indptr=qo_indptr,
         )
 
     def attend(self, q: torch.Tensor, out: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:
