@@ -1,7 +1,7 @@
 """Reliability against a REAL server (python -m sglang.launch_server, CPU, tiny models):
 a battery of malformed requests, the mixed load test (benchmark/load_test.py) with client
-aborts on a plain, a speculative (NEXTN) and a DP-attention server, a killed scheduler,
-and --enable-nan-detection on a model whose weights contain NaN."""
+aborts on a plain, a speculative (NEXTN) and a DP-attention server, a killed scheduler, a
+killed launching script, and --enable-nan-detection on a model whose weights contain NaN."""
 
 from __future__ import annotations
 
@@ -259,6 +259,40 @@ def test_killed_scheduler_makes_the_server_exit(tiny_llama_unsharded_dir):
         assert wait_until_gone(children) == []
     finally:
         kill_server(proc)
+
+
+# A stand-in server for popen_launch_server: /health answers 200 on the --port it is given.
+_HEALTH_ONLY_SERVER = """
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+# Launches the stand-in, prints its pid and waits to be killed.
+_LAUNCHER = f"""
+import time
+from sglang.test.server_utils import popen_launch_server
+proc = popen_launch_server("unused", launcher=("-c", {_HEALTH_ONLY_SERVER!r}), timeout=60)
+print(proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_server_ends_with_the_process_that_launched_it():
+    """A benchmark script killed outright (`timeout -s KILL`) leaves no server behind."""
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(launcher.stdout.readline())
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert wait_until_gone([server_pid]) == []
 
 
 # ---------------------------------------------------------------------- NaN

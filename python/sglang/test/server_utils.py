@@ -15,7 +15,7 @@ from typing import Optional
 
 import requests
 
-from sglang.srt.utils.process import kill_process_tree, pid_alive
+from sglang.srt.utils.process import kill_process_tree, pid_alive, set_parent_death_signal
 
 _PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -75,8 +75,8 @@ def popen_launch_server(
     """Start a server on a free port and wait until /health answers 200. `launcher`: the
     interpreter's arguments before the server flags (another entry point that takes them).
     `python_dir`: the directory whose `sglang` package serves (another checkout's `python/`),
-    instead of this one's. Raises RuntimeError (with the server's log tail) if it exits or
-    times out first."""
+    instead of this one's. The server gets SIGTERM when the calling thread ends. Raises
+    RuntimeError (with the server's log tail) if it exits or times out first."""
     port = find_free_port()
     args = [sys.executable, *launcher, "--model-path", model_path, "--port", str(port), *extra_args]
     if api_key:
@@ -84,7 +84,12 @@ def popen_launch_server(
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (python_dir or _PYTHON_DIR, env.get("PYTHONPATH")) if p)
     log = tempfile.NamedTemporaryFile("w", prefix="sglang-server-", suffix=".log", delete=False)
-    proc = ServerProcess(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # SIGTERM when the calling thread ends, however it ends: a script killed by `timeout` leaves
+    # no server behind holding the GPU (the server then ends its own children). So a server
+    # must be launched from a thread that outlives it (the main thread in every caller).
+    proc = ServerProcess(
+        args, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=lambda: set_parent_death_signal(signal.SIGTERM)
+    )
     log.close()
     proc.base_url, proc.log_path, proc.api_key = f"http://127.0.0.1:{port}", log.name, api_key
     deadline = time.monotonic() + timeout

@@ -22,6 +22,8 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# Loaded at import, so that a fork's child can call prctl before exec without loading anything.
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def _children_map() -> dict[int, list[int]]:
@@ -96,12 +98,16 @@ def watch_parent(parent_pid: Optional[int] = None) -> None:
     if parent_pid is None:
         parent_pid = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if _LIBC is not None and not set_parent_death_signal(signal.SIGKILL):
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
     # Covers non-Linux systems, and a parent that died before prctl took effect.
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
+
+
+def set_parent_death_signal(sig: int) -> bool:
+    """Linux: the kernel sends `sig` to this process when the thread that started it ends
+    (kept across exec). False elsewhere or if prctl fails. Fit for a subprocess preexec_fn."""
+    return _LIBC is not None and _LIBC.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
 
 
 def _watch_parent(parent_pid: int, interval: float = 1.0) -> None:
