@@ -28,7 +28,13 @@ models="${MODELS:-/tmp/bench_models}"
 # --enable-piecewise-cuda-graph: engines before prefill graphs were the default need it.
 heldout_c32=(--dataset-name file --dataset-path "$models/heldout_prompts.jsonl" --num-prompts 1024 --random-output-len 256
   --max-concurrency 32 -- --cuda-graph-max-bs 32 --enable-piecewise-cuda-graph)
+# A trained small DeepSeek travels as parts of one tar (deepseek-v3-mtp/ and heldout_prompts.jsonl),
+# each under the 16 MB a file that $OUT sends back: stage pack-deepseek writes them to $OUT/model,
+# MODEL_PARTS=DIR (those parts, carried to a later call) unpacks them instead of training.
 trained_deepseek() {  # trained_deepseek MINUTES: train the small DeepSeek into $models unless it is there ($MINUTES wins)
+  if [ ! -d "$models/deepseek-v3-mtp" ] && [ -n "${MODEL_PARTS:-}" ]; then
+    mkdir -p "$models" && cat "$MODEL_PARTS"/part* | tar -x -C "$models"
+  fi
   [ -d "$models/deepseek-v3-mtp" ] || step train_deepseek 200 python3 -m sglang.tools.train_tiny_models --out "$models" \
     --device cuda --minutes "${MINUTES:-$1}" --models deepseek
 }
@@ -47,6 +53,11 @@ case "$stage" in
     step smollm2_agreement 150 python3 benchmark/accuracy/greedy_agreement.py --model-path "$smollm2" \
       --out "$out/smollm2_gpu_bf16.json" --compare benchmark/accuracy/smollm2_cpu_f32.json -- --disable-cuda-graph
     step smollm2_decode 150 python3 benchmark/bench_decode.py --model-path "$smollm2" --batch-sizes 1 32 -- --disable-cuda-graph
+    ;;
+  pack-deepseek)  # the small DeepSeek (trained for $MINUTES, default 2) as parts under $OUT/model (for MODEL_PARTS)
+    trained_deepseek 2
+    mkdir -p "$out/model" && (cd "$models" && tar -c deepseek-v3-mtp heldout_prompts.jsonl) | split -b 15000000 -d -a 1 - "$out/model/part"
+    ls -l "$out/model" | tee -a "$out/summary.log"
     ;;
   kernel-tests)  # the DeepSeek, fused-op, graph and tree tests alone (the kernels stage runs more)
     step kernel_tests 150 python3 -m pytest -q test/test_deepseek_kernels.py test/test_fused_ops.py test/test_cuda_graph_keys.py \
@@ -233,6 +244,6 @@ case "$stage" in
     step collectives_nccl 150 python3 benchmark/kernels/bench_collectives.py --world "${WORLD:-2}" --gpu-id-step 1 \
       --jsonl "$out/collectives.jsonl"
     ;;
-  *) echo "usage: validate.sh STAGE...: kernels|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|serving-profile|serving-phases|greedy-decode|spec-mixed|serving-spy|spec-kernels|smollm2-c64|graphs|prefill-graphs|shared-gpu|collectives"; exit 2 ;;
+  *) echo "usage: validate.sh STAGE...: kernels|pack-deepseek|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|serving-profile|serving-phases|greedy-decode|spec-mixed|serving-spy|spec-kernels|smollm2-c64|graphs|prefill-graphs|shared-gpu|collectives"; exit 2 ;;
 esac
 done
