@@ -15,11 +15,13 @@ Flags after `--` go to the engine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,6 +30,18 @@ from trace_summary import load_events, summarize
 
 import sglang as sgl
 from sglang.srt.server_args import prepare_server_args
+
+
+def wait_for_profiles(out_dir: str, timeout_s: float = 600.0) -> None:
+    """Until the ranks' files are complete: a table (.txt) is there and no file is still
+    being written (`<stem>.partial.<suffix>`, renamed when complete)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        names = os.listdir(out_dir)
+        if any(n.endswith(".txt") for n in names) and not any(".partial." in n for n in names):
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"no complete profile in {out_dir} after {timeout_s} s")
 
 
 def main() -> None:
@@ -50,6 +64,9 @@ def main() -> None:
         engine.generate(input_ids=prompts, sampling_params=params)  # warm-up (kernel compilation)
         engine.start_profile(output_dir=out_dir, num_steps=args.num_steps)
         engine.generate(input_ids=prompts, sampling_params=params)
+        with contextlib.suppress(RuntimeError):  # the profiler stopped by itself after --num-steps
+            engine.stop_profile()
+        wait_for_profiles(out_dir)  # the ranks write them on threads that the engine's shutdown ends
     for path in sorted(glob.glob(os.path.join(out_dir, "*.txt"))):
         print(f"==== {path}")
         with open(path) as f:
