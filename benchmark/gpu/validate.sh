@@ -181,11 +181,18 @@ case "$stage" in
     done
     ;;
   spec-kernels)  # the speculative cycle's Triton bookkeeping (kernels/spec_ops.py): its tests and the graph tests on
-    # the GPU, then plain, NEXTN 3/1/4 and 1/1/2 served at concurrency 32, NEXTN also by the engine whose python/ is $BEFORE_PYTHON
+    # the GPU, the NEXTN 3/1/4 cycle on the device, then plain, NEXTN 3/1/4 and 1/1/2 served at concurrency 32; the
+    # cycle and NEXTN served also by the engine whose python/ is $BEFORE_PYTHON
     step spec_kernel_tests 240 python3 -m pytest -q test/test_spec_ops.py test/test_cycle_state_ops.py test/test_cuda_graph_spec.py \
       test/test_spec_tree.py
     trained_deepseek 0.6
+    # shellcheck disable=SC2086
+    step cycle_now 120 python3 benchmark/bench_decode.py --model-path "$models/deepseek-v3-mtp" --batch-sizes 1 32 --repeats 5 \
+      -- --cuda-graph-max-bs 32 $nextn_3_1_4
     if [ -n "${BEFORE_PYTHON:-}" ]; then
+      # shellcheck disable=SC2086
+      step cycle_before 120 env PYTHONPATH="$BEFORE_PYTHON:$PYTHONPATH" python3 benchmark/bench_decode.py \
+        --model-path "$models/deepseek-v3-mtp" --batch-sizes 1 32 --repeats 5 -- --cuda-graph-max-bs 32 $nextn_3_1_4
       step spec_kernels_ab 560 python3 benchmark/flag_ab.py --model-path "$models/deepseek-v3-mtp" --variant plain= \
         --variant n3_before="$nextn_3_1_4" --engine "n3_before=$BEFORE_PYTHON" --variant n3="$nextn_3_1_4" \
         --variant n1_before="$nextn_1_1_2" --engine "n1_before=$BEFORE_PYTHON" --variant n1="$nextn_1_1_2" --rounds 2 \
