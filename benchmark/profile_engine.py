@@ -1,7 +1,8 @@
 """Profile an engine's iterations with the torch profiler (the scheduler's /start_profile).
 
-Runs a warm-up request, then profiles --num-steps forward iterations of one batch and prints
-each rank's op tables (device time, then host time) and its timeline summary (device busy
+Runs a warm-up request, then profiles --num-steps forward iterations of one batch (all of its
+iterations if it ends sooner), waits for the ranks to write their files, and prints each
+rank's op tables (device time, then host time) and its timeline summary (device busy
 and idle time, CUDA calls per iteration: trace_summary.py); the traces stay in --output-dir.
 
     python benchmark/profile_engine.py --model-path bench_models/deepseek-v3-mtp --batch-size 1 \\
