@@ -60,18 +60,22 @@ def test_engine_stream_n_marks_each_sample(engine):
 
 
 def test_async_generate_and_async_stream(engine):
-    expected = engine.generate(PROMPT, {"max_new_tokens": 5, "temperature": 0})["output_ids"]
+    # 32 tokens: a stream's pending outputs merge into one chunk while its reader waits, and a
+    # loaded machine can starve the reader for a few steps of the tiny model, not for 32.
+    greedy = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+    expected = engine.generate(PROMPT, greedy)["output_ids"]
 
     async def run() -> tuple[list, list[list[int]]]:
-        outs = await asyncio.gather(*(engine.async_generate(PROMPT, {"max_new_tokens": 5, "temperature": 0}) for _ in range(3)))
-        stream = await engine.async_generate(PROMPT, {"max_new_tokens": 5, "temperature": 0}, stream=True)
+        outs = await asyncio.gather(*(engine.async_generate(PROMPT, greedy) for _ in range(3)))
+        stream = await engine.async_generate(PROMPT, greedy, stream=True)
         chunks = [chunk["output_ids"] async for chunk in stream]
         return outs, chunks
 
     outs, chunks = asyncio.run(run())
     assert [o["output_ids"] for o in outs] == [expected] * 3
-    assert chunks[-1] == expected and len(chunks) > 1
-    assert engine.generate(PROMPT, {"max_new_tokens": 5, "temperature": 0})["output_ids"] == expected  # sync again
+    assert len(chunks) > 1 and chunks[-1] == expected
+    assert all(chunk == expected[: len(chunk)] for chunk in chunks)  # each chunk: the output so far
+    assert engine.generate(PROMPT, greedy)["output_ids"] == expected  # sync again
 
 
 def test_engine_n_with_nextn(tiny_deepseek_v3_dir):
