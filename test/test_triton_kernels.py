@@ -11,8 +11,10 @@ import torch
 import triton
 
 from sglang.srt.batch.forward_batch_info import ForwardBatch
+from sglang.srt.kernels.attention import extend
 from sglang.srt.kernels.attention.common import PREFIX_BLOCK, build_kv_metadata
-from sglang.srt.kernels.attention.decode import MAX_KV_SPLITS, MIN_TOKENS_PER_SPLIT, num_kv_splits
+from sglang.srt.kernels.attention.decode import MAX_KV_SPLITS, MIN_TOKENS_PER_SPLIT, merge_kv_splits, num_kv_splits
+from sglang.srt.kernels.attention.extend import extend_attention
 from sglang.srt.kernels.moe.grouped_gemm import (
     MAX_PAIRS_ONE_PROGRAM,
     _align_by_expert_torch,
@@ -24,6 +26,7 @@ from sglang.srt.kernels.moe.grouped_gemm import (
 )
 from sglang.srt.kernels.moe.routing import select_experts_triton
 from sglang.srt.kernels.moe.routing_config import RoutingConfig
+from sglang.srt.layers.attention.base import load_kv
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend, TritonAttnMetadata
 from sglang.srt.layers.moe.fused_moe import moe_forward_native
 from sglang.srt.layers.moe.topk import select_experts
@@ -92,6 +95,60 @@ def test_tree_rows_across_tiles_match_torch_native(shape):
     """Query heads packed into the tile rows: a tree of 13 tokens (13 x group rows) spans
     several tiles, which split its tokens' heads between them."""
     compare_attention_with_torch_native(shape, [13, 2], [5, 70], DTYPES[0], tree=True, seed=3)
+
+
+@kernel_test
+@pytest.mark.parametrize("tree", [True, False])
+@pytest.mark.parametrize("shape", ATTN_SHAPES)
+def test_short_queries_with_split_kv_match_torch_native(shape, tree, monkeypatch):
+    """On a GPU of many SMs a short query's KV splits into runs of whole blocks (16 splits
+    here: most of them empty for the 70- and 5-token contexts) that stage 2 merges; trees and
+    causal extends of 4, 3 and 1 tokens."""
+    merged = []
+
+    def recording_merge(part_o, part_lse, out, signal_dependents=False):
+        merged.append(part_o.shape[2])
+        merge_kv_splits(part_o, part_lse, out, signal_dependents)
+
+    monkeypatch.setattr(extend, "sm_count", lambda device: 4096)
+    monkeypatch.setattr(extend, "merge_kv_splits", recording_merge)
+    compare_attention_with_torch_native(shape, [4, 3, 1], [200, 2, 69], DTYPES[0], tree=tree, seed=4)
+    short = 4 * (shape.num_heads // shape.num_kv_heads) <= extend.SHORT_QUERY_ROWS
+    assert merged == ([MAX_KV_SPLITS] if short else [])
+
+
+@kernel_test
+@pytest.mark.parametrize("splits", [2, 4])
+def test_forced_kv_splits_match_one_split(splits):
+    """kv_splits spreads a tree's KV over that many programs per tile; the merged output
+    equals the single-program one."""
+    shape = ATTN_SHAPES[1]
+    fb, q, k, v = make_attention_batch(shape, [4, 2], [150, 40], DTYPES[0], DEVICE, tree=True, seed=5)
+    backend = TritonAttnBackend()
+    fb.attn_backend = backend
+    backend.init_forward_metadata(fb)
+    meta, layer = backend.metadata, shape.layer()
+    backend.forward(q, k, v, layer, fb)  # stores the new tokens' K/V in the pool
+    k_cache, v_cache = load_kv(layer, fb)
+    q3 = q.view(q.shape[0], shape.num_heads, shape.head_dim)
+    outs = []
+    for kv_splits in (1, splits):
+        out = q3.new_empty(q3.shape[0], shape.num_heads, shape.v_head_dim)
+        extend_attention(
+            q3,
+            k_cache,
+            v_cache,
+            out,
+            meta.qo_indptr,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.max_extend_len,
+            layer.scaling,
+            fb.custom_mask,
+            kv_splits=kv_splits,
+        )
+        outs.append(out.float())
+    torch.testing.assert_close(outs[1], outs[0], atol=KERNEL_TOL[DTYPES[0]], rtol=KERNEL_TOL[DTYPES[0]])
 
 
 @kernel_test

@@ -3,7 +3,10 @@
     python benchmark/kernels/bench_attention.py [--dtype bfloat16] [--iters 20]
 
 Each case checks that both backends agree before timing them. Decode cases also report
-the KV bytes read per call over the Triton time (effective HBM bandwidth).
+the KV bytes read per call over the Triton time (effective HBM bandwidth). Short queries
+(verify trees) also report the extend kernel's device time per call inside a CUDA graph of
+20 calls (the eager figures above include the host's launch), with the KV in one program
+per tile and split as the kernel chooses on this GPU.
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run from a checkout without installing
 
-from sglang.srt.layers.attention.base import AttentionBackend
+from graph_timing import capture, median_replay_ms
+
+from sglang.srt.kernels.attention.common import q_heads_view
+from sglang.srt.kernels.attention.extend import SHORT_QUERY_ROWS, extend_attention
+from sglang.srt.layers.attention.base import AttentionBackend, load_kv
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.test.attention_batches import AttnShape, make_attention_batch
@@ -26,6 +33,8 @@ from sglang.test.attention_batches import AttnShape, make_attention_batch
 LLAMA_8B = AttnShape(32, 8, 128, 128)  # Llama-3.1-8B per layer, tp 1
 DEEPSEEK_MLA = AttnShape(16, 1, 576, 512, mla=True)  # DeepSeek-V3 absorbed MLA, 16 heads per rank
 SMOLLM2 = AttnShape(9, 3, 64, 64)  # SmolLM2-135M
+SMALL_MLA = AttnShape(4, 1, 96, 64, mla=True)  # the small trained DeepSeek (benchmark/configs/deepseek-v3-small-mtp.json)
+GRAPH_CALLS = 20
 
 
 @dataclass(frozen=True)
@@ -58,8 +67,36 @@ def cases() -> list[Case]:
     out += [
         Case("smollm2 decode bs=1 ctx=256", SMOLLM2, [1], [255]),
         Case("smollm2 verify 1x4 tree on 256 ctx", SMOLLM2, [4], [252], tree=True),
+        Case("small-mla decode bs=1 ctx=256", SMALL_MLA, [1], [255]),
+        Case("small-mla verify 1x4 tree on 256 ctx", SMALL_MLA, [4], [252], tree=True),
+        Case("small-mla verify 32x4 tree on 256 ctx", SMALL_MLA, [4] * 32, [252] * 32, tree=True),
+        Case("mla verify 32x4 tree on 1024 ctx", DEEPSEEK_MLA, [4] * 32, [1020] * 32, tree=True),
     ]
     return out
+
+
+def graph_us(fn, replays: int) -> float:
+    """Device microseconds per call of fn, from a CUDA graph of GRAPH_CALLS calls."""
+    graph = capture(lambda: [fn() for _ in range(GRAPH_CALLS)])
+    return median_replay_ms(graph, replays) * 1e3 / GRAPH_CALLS
+
+
+def short_query_graph_times(case: Case, fb, q: torch.Tensor, layer, iters: int) -> str:
+    """The extend kernel alone on the Triton backend's metadata: one program per tile against
+    the kernel's own KV split."""
+    meta = fb.attn_backend.metadata
+    k_cache, v_cache = load_kv(layer, fb)
+    q3 = q_heads_view(q, layer.tp_q_head_num, layer.head_dim)
+    out = q3.new_empty(q3.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+
+    def call(kv_splits):
+        return lambda: extend_attention(
+            q3, k_cache, v_cache, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.max_extend_len,
+            layer.scaling, fb.custom_mask, kv_splits=kv_splits,
+        )  # fmt: skip
+
+    one, split = graph_us(call(1), iters), graph_us(call(None), iters)
+    return f"  graph: one program/tile {one:6.2f} us, split {split:6.2f} us"
 
 
 def time_ms(fn, iters: int) -> float:
@@ -87,8 +124,10 @@ def run_case(case: Case, dtype: torch.dtype, iters: int) -> str:
         return lambda: backend.forward(q, k, v, layer, fb)
 
     native, triton_fn = bind(TorchNativeAttnBackend()), bind(TritonAttnBackend())
-    fb.attn_backend = None
     err = (triton_fn().float() - native().float()).abs().max().item()
+    short = not case.is_decode and max(case.ext_lens) * case.shape.num_heads // case.shape.num_kv_heads <= SHORT_QUERY_ROWS
+    graph_line = short_query_graph_times(case, fb, q, layer, iters) if short else ""
+    fb.attn_backend = None
     t_native, t_triton = time_ms(native, iters), time_ms(triton_fn, iters)
     line = (
         f"{case.name:<42} native {t_native:9.3f} ms  triton {t_triton:8.3f} ms  x{t_native / t_triton:6.1f}  max|diff| {err:.1e}"
@@ -99,7 +138,7 @@ def run_case(case: Case, dtype: torch.dtype, iters: int) -> str:
         per_token = (s.head_dim if s.mla else s.num_kv_heads * (s.head_dim + s.v_head_dim)) * dtype.itemsize
         kv_bytes = sum(p + e for p, e in zip(case.prefix_lens, case.ext_lens)) * per_token
         line += f"  KV read {kv_bytes / t_triton / 1e6:7.1f} GB/s"
-    return line
+    return line + graph_line
 
 
 def main() -> int:

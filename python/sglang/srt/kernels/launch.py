@@ -1,5 +1,5 @@
-"""Launch helpers shared by the Triton kernels: programmatic dependent launch (PDL) and L2
-prefetch of the weights a kernel streams next."""
+"""Launch helpers shared by the Triton kernels: programmatic dependent launch (PDL), the SM
+count that sizes split grids, and L2 prefetch of the weights a kernel streams next."""
 
 from __future__ import annotations
 
@@ -25,6 +25,13 @@ def signals_dependents(device: torch.device) -> bool:
         and torch.version.cuda is not None
         and (torch.cuda.get_device_capability(device)[0] >= 9)
     )
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (programs that run at once, one each); 1
+    elsewhere (the interpreter runs programs one by one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def pdl_launch(pdl: bool) -> dict:

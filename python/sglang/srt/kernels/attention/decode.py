@@ -272,7 +272,16 @@ def decode_attention(
         num_stages=tile.num_stages,
         **pdl_launch(pdl),
     )
-    _decode_stage2_kernel[(bs, num_heads)](
+    merge_kv_splits(part_o, part_lse, out, signal_dependents=pdl)
+
+
+def merge_kv_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, signal_dependents: bool = False) -> None:
+    """Stage 2: out[r, h] = the splits' partial outputs part_o[r, h, s] ([R, H, S, Lv] float32)
+    weighted by exp2 of their base-2 LSEs part_lse[r, h, s] ([R, H, S]; S a power of two,
+    every split written, an empty one as -inf). signal_dependents: the next kernel is
+    PDL-launched and waits for this one's writes."""
+    rows, num_heads, splits, lv = part_o.shape
+    _decode_stage2_kernel[(rows, num_heads)](
         part_o,
         part_lse,
         out,
@@ -284,8 +293,8 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         LV=lv,
-        BLOCK_DV=tiling.block_dv,
-        MAX_SPLITS=MAX_KV_SPLITS,
-        SIGNAL_DEPENDENTS=signals_dependents(q.device),
+        BLOCK_DV=HeadDimTiling.of(lv, lv).block_dv,
+        MAX_SPLITS=splits,
+        SIGNAL_DEPENDENTS=signal_dependents,
         num_warps=4,
     )

@@ -1,12 +1,18 @@
 """Paged prefill/extend attention: new query tokens over cached prefix + themselves.
 
-One program per (request, query head, block of BLOCK_M new tokens); under a tree mask, per
-(request, KV head, block): the KV head's query heads share the tile's rows. New tokens' K/V are
-already in the pool (the backend saves them first), so every key is read through the
-flattened slot index. Visibility is causal (query row r of a request with prefix p sees
-columns 0..p+r), or, with a custom mask of `tree_cols` columns per query row, every column
-before the request's last tree_cols and, of those last tree_cols, the ones the row's mask
-marks (tree verify, draft steps).
+One program per (request, query head, block of BLOCK_M new tokens); for short queries (verify
+trees, draft extends: at most SHORT_QUERY_ROWS rows of token x query head), per (request, KV
+head, block): the KV head's query heads share the tile's rows. New tokens' K/V are already in
+the pool (the backend saves them first), so every key is read through the flattened slot
+index. Visibility is causal (query row r of a request with prefix p sees columns 0..p+r), or,
+with a custom mask of `tree_cols` columns per query row, every column before the request's
+last tree_cols and, of those last tree_cols, the ones the row's mask marks (tree verify,
+draft steps).
+
+Short queries of few requests would leave most SMs idle while one program walks a long
+prefix, so their KV is split (flash-decoding): each of `splits` programs per tile takes a
+contiguous run of whole KV blocks and writes its normalized partial output and base-2
+log-sum-exp; decode's stage 2 merges them per (token, head).
 """
 
 from __future__ import annotations
@@ -16,8 +22,12 @@ import triton
 import triton.language as tl
 
 from sglang.srt.kernels.attention.common import LOG2E, HeadDimTiling, attend_kv_block, load_q_tile
+from sglang.srt.kernels.attention.decode import MAX_KV_SPLITS, merge_kv_splits
+from sglang.srt.kernels.launch import sm_count
 from sglang.srt.utils.int_math import cdiv, next_power_of_2
 from sglang.srt.utils.triton_precision import dot_precision
+
+SHORT_QUERY_ROWS = 64  # token x query-head rows of a KV head up to which a query is "short"
 
 
 @triton.jit
@@ -40,6 +50,13 @@ def _extend_kernel(
     stride_vh,
     stride_ot,
     stride_oh,
+    Part_O,
+    Part_LSE,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
     GROUP: tl.constexpr,
     LK: tl.constexpr,
     LV: tl.constexpr,
@@ -51,13 +68,17 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr,
     PACK: tl.constexpr,
+    SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # PACK query heads of one KV head share a program: tile row g holds token g // PACK of
     # head first_head + g % PACK, so short queries (trees) fill the tile and read K/V once.
+    # Axis 2 enumerates (query block, KV split); with SPLITS > 1 a program writes its split's
+    # partial output and LSE (every split, an empty one as lse -inf) instead of O.
     b = tl.program_id(0)
     first_head = tl.program_id(1) * PACK
-    m_block = tl.program_id(2)
+    m_block = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     kv_head = first_head // GROUP
 
     q_start = tl.load(qo_indptr + b)
@@ -81,13 +102,18 @@ def _extend_kernel(
         else:  # causal: columns past this block's last token are never visible
             kv_end = tl.minimum(kv_len, prefix + ((m_block + 1) * BLOCK_M - 1) // PACK + 1)
 
+        # This program's KV columns [lo, hi): SPLITS runs of whole BLOCK_N blocks.
+        split_len = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), SPLITS) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, kv_end)
+
         k_head, v_head = K + kv_head * stride_kh, V + kv_head * stride_vh
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        for start in range(0, kv_end, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            valid_n = offs_n < kv_end
+            valid_n = offs_n < hi
             visible = valid_m[:, None] & valid_n[None, :]
             if USE_MASK:
                 in_tree = offs_n[None, :] >= tree_start
@@ -119,12 +145,20 @@ def _extend_kernel(
                 DOT_PRECISION,
             )
 
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(
-            O + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
-            out.to(O.dtype.element_ty),
-            mask=valid_m[:, None] & (offs_dv[None, :] < LV),
-        )
+        nonempty = l_i > 0
+        out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+        out_mask = valid_m[:, None] & (offs_dv[None, :] < LV)
+        if SPLITS == 1:
+            tl.store(
+                O + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
+                out.to(O.dtype.element_ty),
+                mask=out_mask,
+            )
+        else:
+            lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+            part = Part_O + rows[:, None] * stride_pt + heads[:, None] * stride_ph + split * stride_ps
+            tl.store(part + offs_dv[None, :], out, mask=out_mask)
+            tl.store(Part_LSE + rows * stride_lt + heads * stride_lh + split, lse, mask=valid_m)
 
 
 def _tile_sizes(tiling: HeadDimTiling) -> tuple[int, int, int]:
@@ -135,6 +169,13 @@ def _tile_sizes(tiling: HeadDimTiling) -> tuple[int, int, int]:
     if width <= 256:
         return 64, 32, 4
     return 32, 16, 8
+
+
+def short_query_kv_splits(programs: int, device: torch.device) -> int:
+    """KV splits per tile for a short query's launch of `programs` tiles: enough (a power of
+    two, at most MAX_KV_SPLITS) to give each SM a program; 1 once the tiles alone do."""
+    per_tile = sm_count(device) // max(programs, 1)
+    return min(MAX_KV_SPLITS, 1 << (per_tile.bit_length() - 1)) if per_tile > 1 else 1
 
 
 def extend_attention(
@@ -148,6 +189,7 @@ def extend_attention(
     max_extend_len: int,
     scaling: float,
     custom_mask: torch.Tensor | None = None,
+    kv_splits: int | None = None,
 ) -> None:
     """q: [T, H, Lk] (requests' new tokens concatenated); out: [T, H, Lv].
 
@@ -155,7 +197,8 @@ def extend_attention(
     kv_indices[kv_indptr[i]:kv_indptr[i+1]] (prefix then its new tokens). max_extend_len
     bounds the query blocks (a host value). custom_mask (bool, [T, tree_cols], contiguous):
     query row t sees the columns before its request's last tree_cols, and the last tree_cols
-    where custom_mask[t] is set.
+    where custom_mask[t] is set. kv_splits (a power of two up to MAX_KV_SPLITS, short queries
+    only) overrides short_query_kv_splits (tests, benchmarks).
     """
     num_tokens, num_heads, lk = q.shape
     num_kv_heads, lv = k_cache.shape[1], v_cache.shape[-1]
@@ -168,13 +211,24 @@ def extend_attention(
     mask = custom_mask.view(torch.uint8) if use_mask else q  # placeholder pointer, never read
     tree_cols = custom_mask.shape[1] if use_mask else 0
     group = num_heads // num_kv_heads
-    # Trees (verify, draft steps: a few tokens per request, under CUDA graphs) pack a KV head's
-    # query heads into the tile rows; other extends keep one head per program (a variant of
-    # their own, compiled once).
-    pack = group if use_mask else 1
-    if use_mask:
+    # Trees and short queries (verify, draft extends: a few tokens per request, under CUDA
+    # graphs) pack a KV head's query heads into the tile rows; short ones also split the KV.
+    # Other extends keep one head per program and the whole KV (variants of their own,
+    # compiled once).
+    short = max_extend_len * group <= SHORT_QUERY_ROWS
+    pack = group if use_mask or short else 1
+    if use_mask or short:
         block_m = min(block_m, max(16, next_power_of_2(max_extend_len * pack)))
-    _extend_kernel[(bs, num_heads // pack, cdiv(max_extend_len * pack, block_m))](
+    splits = 1
+    if short:
+        programs = bs * num_kv_heads * cdiv(max_extend_len * pack, block_m)
+        splits = kv_splits or short_query_kv_splits(programs, q.device)
+    if splits > 1:
+        part_o = torch.empty((num_tokens, num_heads, splits, lv), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o, part_lse = out, out  # placeholder pointers, never read or written
+    _extend_kernel[(bs, num_heads // pack, cdiv(max_extend_len * pack, block_m) * splits)](
         q,
         k_cache,
         v_cache,
@@ -193,6 +247,13 @@ def extend_attention(
         v_cache.stride(1),
         out.stride(0),
         out.stride(1),
+        part_o,
+        part_lse,
+        part_o.stride(0),
+        part_o.stride(1),
+        part_o.stride(2) if splits > 1 else 0,
+        part_lse.stride(0),
+        part_lse.stride(1),
         GROUP=group,
         LK=lk,
         LV=lv,
@@ -204,7 +265,10 @@ def extend_attention(
         BLOCK_N=block_n,
         USE_MASK=use_mask,
         PACK=pack,
+        SPLITS=splits,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps,
         num_stages=1,
     )
+    if splits > 1:
+        merge_kv_splits(part_o, part_lse, out)
