@@ -208,8 +208,8 @@ def extend_attention(
     tiling = HeadDimTiling.of(lk, lv)
     block_m, block_n, num_warps = _tile_sizes(tiling)
     use_mask = custom_mask is not None
-    mask = custom_mask.view(torch.uint8) if use_mask else q  # placeholder pointer, never read
-    tree_cols = custom_mask.shape[1] if use_mask else 0
+    # q: a placeholder pointer, never read without a mask
+    mask, tree_cols = (custom_mask.view(torch.uint8), custom_mask.shape[1]) if custom_mask is not None else (q, 0)
     group = num_heads // num_kv_heads
     # Trees and short queries (verify, draft extends: a few tokens per request, under CUDA
     # graphs) pack a KV head's query heads into the tile rows; short ones also split the KV.
