@@ -14,7 +14,6 @@ from sglang.srt.batch.forward_batch_info import ForwardBatch
 from sglang.srt.kernels.attention import extend
 from sglang.srt.kernels.attention.common import PREFIX_BLOCK, build_kv_metadata
 from sglang.srt.kernels.attention.decode import MAX_KV_SPLITS, MIN_TOKENS_PER_SPLIT, merge_kv_splits, num_kv_splits
-from sglang.srt.kernels.attention.extend import extend_attention
 from sglang.srt.kernels.moe.grouped_gemm import (
     MAX_PAIRS_ONE_PROGRAM,
     _align_by_expert_torch,
@@ -127,26 +126,14 @@ def test_forced_kv_splits_match_one_split(splits):
     backend = TritonAttnBackend()
     fb.attn_backend = backend
     backend.init_forward_metadata(fb)
-    meta, layer = backend.metadata, shape.layer()
+    layer = shape.layer()
     backend.forward(q, k, v, layer, fb)  # stores the new tokens' K/V in the pool
     k_cache, v_cache = load_kv(layer, fb)
     q3 = q.view(q.shape[0], shape.num_heads, shape.head_dim)
     outs = []
     for kv_splits in (1, splits):
         out = q3.new_empty(q3.shape[0], shape.num_heads, shape.v_head_dim)
-        extend_attention(
-            q3,
-            k_cache,
-            v_cache,
-            out,
-            meta.qo_indptr,
-            meta.kv_indptr,
-            meta.kv_indices,
-            meta.max_extend_len,
-            layer.scaling,
-            fb.custom_mask,
-            kv_splits=kv_splits,
-        )
+        backend.extend(q3, k_cache, v_cache, out, layer.scaling, fb.custom_mask, kv_splits=kv_splits)
         outs.append(out.float())
     torch.testing.assert_close(outs[1], outs[0], atol=KERNEL_TOL[DTYPES[0]], rtol=KERNEL_TOL[DTYPES[0]])
 

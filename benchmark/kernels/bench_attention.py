@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run f
 from graph_timing import capture, median_replay_ms
 
 from sglang.srt.kernels.attention.common import q_heads_view
-from sglang.srt.kernels.attention.extend import SHORT_QUERY_ROWS, extend_attention
+from sglang.srt.kernels.attention.extend import SHORT_QUERY_ROWS
 from sglang.srt.layers.attention.base import AttentionBackend, load_kv
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
@@ -84,16 +84,13 @@ def graph_us(fn, replays: int) -> float:
 def short_query_graph_times(case: Case, fb, q: torch.Tensor, layer, iters: int) -> str:
     """The extend kernel alone on the Triton backend's metadata: one program per tile against
     the kernel's own KV split."""
-    meta = fb.attn_backend.metadata
+    backend = fb.attn_backend
     k_cache, v_cache = load_kv(layer, fb)
     q3 = q_heads_view(q, layer.tp_q_head_num, layer.head_dim)
     out = q3.new_empty(q3.shape[0], layer.tp_q_head_num, layer.v_head_dim)
 
     def call(kv_splits):
-        return lambda: extend_attention(
-            q3, k_cache, v_cache, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.max_extend_len,
-            layer.scaling, fb.custom_mask, kv_splits=kv_splits,
-        )  # fmt: skip
+        return lambda: backend.extend(q3, k_cache, v_cache, out, layer.scaling, fb.custom_mask, kv_splits)
 
     one, split = graph_us(call(1), iters), graph_us(call(None), iters)
     return f"  graph: one program/tile {one:6.2f} us, split {split:6.2f} us"

@@ -96,15 +96,31 @@ class TritonAttnBackend(AttentionBackend):
         if meta.use_decode_kernel:
             decode_attention(q3, k_cache, v_cache, out, meta.kv_indptr, meta.kv_indices, meta.num_kv_splits, layer.scaling)
         else:
-            extend_attention(
-                q3,
-                k_cache,
-                v_cache,
-                out,
-                meta.qo_indptr,
-                meta.kv_indptr,
-                meta.kv_indices,
-                meta.max_extend_len,
-                layer.scaling,
-                forward_batch.custom_mask,
-            )
+            self.extend(q3, k_cache, v_cache, out, layer.scaling, forward_batch.custom_mask)
+
+    def extend(
+        self,
+        q3: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        scaling: float,
+        custom_mask: Optional[torch.Tensor],
+        kv_splits: Optional[int] = None,
+    ) -> None:
+        """The extend kernel over this forward's metadata (q3: [T, H, Lk]; out: [T, H, Lv]);
+        kv_splits: extend_attention's override (tests, benchmarks)."""
+        meta = self.metadata
+        extend_attention(
+            q3,
+            k_cache,
+            v_cache,
+            out,
+            meta.qo_indptr,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.max_extend_len,
+            scaling,
+            custom_mask,
+            kv_splits=kv_splits,
+        )
