@@ -200,6 +200,28 @@ case "$stage" in
       grep -A7 '^| variant' "$out/spec_kernels_ab.log" | tee -a "$out/summary.log"
     fi
     ;;
+  short-queries)  # split-KV short queries (verify trees, draft extends): the kernel tests, the kernel alone (one program
+    # per tile against split), then the cycles they enter, each beside the engine whose python/ is $BEFORE_PYTHON: the
+    # dense EAGLE 3/1/4 cycle (Llama-3.1-8B shape, 32k-token map) with the plain step, and the trained DeepSeek's
+    # NEXTN 3/1/4 cycle
+    step short_query_tests 150 python3 -m pytest -q test/test_triton_kernels.py
+    step bench_attention 90 python3 benchmark/kernels/bench_attention.py
+    python3 -c "import torch; torch.save(torch.arange(32768), '/tmp/map32k.pt')"
+    eagle_3_1_4="${nextn_3_1_4/NEXTN/EAGLE} --speculative-token-map /tmp/map32k.pt"
+    llama=(--config benchmark/configs/llama-3.1-8b.json --batch-sizes 1 --repeats 5)
+    step llama8b_plain 90 python3 benchmark/bench_decode.py "${llama[@]}" -- --cuda-graph-max-bs 8
+    trained_deepseek 2
+    for engine in now before; do
+      [ "$engine" = before ] && [ -z "${BEFORE_PYTHON:-}" ] && continue
+      pythonpath=${PYTHONPATH:-}; [ "$engine" = before ] && pythonpath=$BEFORE_PYTHON:${PYTHONPATH:-}
+      # shellcheck disable=SC2086
+      step "llama8b_eagle_$engine" 120 env PYTHONPATH="$pythonpath" python3 benchmark/bench_decode.py "${llama[@]}" \
+        --draft-config benchmark/configs/llama-3.1-8b-eagle.json -- --cuda-graph-max-bs 8 $eagle_3_1_4
+      # shellcheck disable=SC2086
+      step "nextn_cycle_$engine" 90 env PYTHONPATH="$pythonpath" python3 benchmark/bench_decode.py \
+        --model-path "$models/deepseek-v3-mtp" --batch-sizes 1 --repeats 5 -- --cuda-graph-max-bs 8 $nextn_3_1_4
+    done
+    ;;
   smollm2-c64)  # SmolLM2-135M shape, random 256 in / 128 out at concurrency 64, against the engine
     # whose python/ is $BEFORE_PYTHON (e.g. `git archive COMMIT python | tar -x -C DIR`, carried along)
     if [ -z "${BEFORE_PYTHON:-}" ]; then
@@ -251,6 +273,6 @@ case "$stage" in
     step collectives_nccl 150 python3 benchmark/kernels/bench_collectives.py --world "${WORLD:-2}" --gpu-id-step 1 \
       --jsonl "$out/collectives.jsonl"
     ;;
-  *) echo "usage: validate.sh STAGE...: kernels|pack-deepseek|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|serving-profile|serving-phases|greedy-decode|spec-mixed|serving-spy|spec-kernels|smollm2-c64|graphs|prefill-graphs|shared-gpu|collectives"; exit 2 ;;
+  *) echo "usage: validate.sh STAGE...: kernels|pack-deepseek|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|serving-profile|serving-phases|greedy-decode|spec-mixed|serving-spy|spec-kernels|short-queries|smollm2-c64|graphs|prefill-graphs|shared-gpu|collectives"; exit 2 ;;
 esac
 done
