@@ -29,6 +29,7 @@ from sglang.srt.layers.attention.base import load_kv
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend, TritonAttnMetadata
 from sglang.srt.layers.moe.fused_moe import moe_forward_native
 from sglang.srt.layers.moe.topk import select_experts
+from sglang.srt.model_executor.cuda_graph_runner import capture_batch_sizes, padded_batch_size
 from sglang.test.attention_batches import AttnShape, make_attention_batch
 from sglang.test.triton_harness import (
     DEVICE,
@@ -114,6 +115,19 @@ def test_short_queries_with_split_kv_match_torch_native(shape, tree, monkeypatch
     compare_attention_with_torch_native(shape, [4, 3, 1], [200, 2, 69], DTYPES[0], tree=tree, seed=4)
     short = 4 * (shape.num_heads // shape.num_kv_heads) <= extend.SHORT_QUERY_ROWS
     assert merged == ([MAX_KV_SPLITS] if short else [])
+
+
+@pytest.mark.parametrize("sms", [8, 132, 4096])
+def test_graph_batches_split_kv_as_eager(sms, monkeypatch):
+    """A CUDA graph replays a batch padded to a captured size; its short queries take the KV
+    splits of the unpadded eager batch, so both sum in the same order."""
+    monkeypatch.setattr(extend, "sm_count", lambda device: sms)
+    captured = capture_batch_sizes(None, 160, 4096)
+    for bs in range(1, 161):
+        padded = padded_batch_size(bs, captured, disable_padding=False)
+        for tiles in (1, 2, 8):
+            assert extend.short_query_kv_splits(bs, tiles, DEVICE) == extend.short_query_kv_splits(padded, tiles, DEVICE)
+    assert extend.short_query_kv_splits(1, 1, DEVICE) == min(MAX_KV_SPLITS, sms)
 
 
 @kernel_test

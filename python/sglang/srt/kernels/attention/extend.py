@@ -171,10 +171,13 @@ def _tile_sizes(tiling: HeadDimTiling) -> tuple[int, int, int]:
     return 32, 16, 8
 
 
-def short_query_kv_splits(programs: int, device: torch.device) -> int:
-    """KV splits per tile for a short query's launch of `programs` tiles: enough (a power of
-    two, at most MAX_KV_SPLITS) to give each SM a program; 1 once the tiles alone do."""
-    per_tile = sm_count(device) // max(programs, 1)
+def short_query_kv_splits(bs: int, tiles_per_request: int, device: torch.device) -> int:
+    """KV splits per tile for a short query's launch: enough (a power of two, at most
+    MAX_KV_SPLITS) to give each SM a program; 1 once the tiles alone do. The batch counts
+    as its size rounded up to a power of two, which the padded batch a CUDA graph replays
+    rounds to as well (the captured sizes include every power of two up to the largest), so
+    a graph splits, and sums, exactly as the eager forward does."""
+    per_tile = sm_count(device) // (next_power_of_2(bs) * tiles_per_request)
     return min(MAX_KV_SPLITS, 1 << (per_tile.bit_length() - 1)) if per_tile > 1 else 1
 
 
@@ -221,8 +224,7 @@ def extend_attention(
         block_m = min(block_m, max(16, next_power_of_2(max_extend_len * pack)))
     splits = 1
     if short:
-        programs = bs * num_kv_heads * cdiv(max_extend_len * pack, block_m)
-        splits = kv_splits or short_query_kv_splits(programs, q.device)
+        splits = kv_splits or short_query_kv_splits(bs, num_kv_heads * cdiv(max_extend_len * pack, block_m), q.device)
     if splits > 1:
         part_o = torch.empty((num_tokens, num_heads, splits, lv), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
