@@ -176,7 +176,9 @@ def short_query_kv_splits(bs: int, tiles_per_request: int, device: torch.device)
     MAX_KV_SPLITS) to give each SM a program; 1 once the tiles alone do. The batch counts
     as its size rounded up to a power of two, which the padded batch a CUDA graph replays
     rounds to as well (the captured sizes include every power of two up to the largest), so
-    a graph splits, and sums, exactly as the eager forward does."""
+    a graph splits, and sums, exactly as the eager forward does. (Under DP attention a rank
+    replays the fullest rank's size, so its splits follow that size: sums within rounding of
+    one rank's.)"""
     per_tile = sm_count(device) // (next_power_of_2(bs) * tiles_per_request)
     return min(MAX_KV_SPLITS, 1 << (per_tile.bit_length() - 1)) if per_tile > 1 else 1
 
