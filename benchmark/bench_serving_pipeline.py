@@ -14,7 +14,8 @@ set the throughput; this script measures it on any machine.
 
 Per concurrency: output tok/s (the ideal is concurrency x tokens per step / step), mean TTFT,
 median TPOT, and the CPU microseconds per streamed token of the HTTP process (one event loop
-does all of its work) and of the detokenizer. Flags after `--` go to the server. On a small machine the
+does all of its work), of the detokenizer and of the client (bench_serving's event loop, which
+reads every streamed chunk; with the fraction of the run it was busy). Flags after `--` go to the server. On a small machine the
 client and every process share few cores: compare the CPU per token between versions, not
 the throughput.
 """
@@ -205,6 +206,8 @@ def measure(server, args: argparse.Namespace, concurrency: int, bench_flags: lis
         "median_tpot_ms": round(metrics["median_tpot_ms"], 3),
         "http_cpu_us_per_token": round((after[0] - before[0]) / tokens * 1e6, 1),
         "detokenizer_cpu_us_per_token": round((after[1] - before[1]) / tokens * 1e6, 1),
+        "client_cpu_us_per_token": round(metrics["client_cpu_us_per_output_token"], 1),
+        "client_cpu_fraction": round(metrics["client_cpu_fraction"], 2),
         "completed": metrics["completed"],
         "num_prompts": num_prompts,
     }

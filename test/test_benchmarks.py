@@ -236,6 +236,8 @@ def test_bench_serving_random_prompts(server, tmp_path):
     assert m["completed"] == 4 and m["total_output_tokens"] == 20 and m["total_input_tokens"] == 32
     assert 0 < m["median_ttft_ms"] <= m["median_e2e_latency_ms"] and m["median_tpot_ms"] > 0 and m["p99_itl_ms"] > 0
     assert 1.0 <= m["accept_length"] <= 4.0 and m["server_accept_length_per_rank"] == [m["server_accept_length"]]
+    # the client's own CPU during the requests: some, at most all of the run's wall time and a core
+    assert 0 < m["client_cpu_fraction"] <= 1.05 and m["client_cpu_us_per_output_token"] > 0
     assert json.loads(open(out_file).read())["completed"] == 4
 
 
@@ -318,6 +320,7 @@ def test_serving_pipeline_benchmark_streams_every_token(trained, tmp_path, token
         assert r["ideal_tok_s"] == r["concurrency"] * tokens_per_step * 500
         assert 0 < r["output_tok_s"] <= 1.2 * r["ideal_tok_s"] and r["mean_ttft_ms"] > 0
         assert r["http_cpu_us_per_token"] > 0 and r["detokenizer_cpu_us_per_token"] > 0
+        assert r["client_cpu_us_per_token"] > 0 and 0 < r["client_cpu_fraction"] <= 1.05
 
 
 # ---------------------------------------------------------------------------- others

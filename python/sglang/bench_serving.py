@@ -13,7 +13,8 @@ requests in flight. Reports TTFT, TPOT (per request, (latency - TTFT) / (output 
 latency as mean / median / p99, request and token throughput, and the accept length: of
 this run (tokens after the first / verify steps, summed over requests) and the server's
 since startup (/get_server_info, warm-up requests included): per DP rank, with a warning
-when the ranks differ by more than 0.1, and their mean.
+when the ranks differ by more than 0.1, and their mean; and the client's own CPU (one event
+loop reads every chunk), with a warning when it was busy most of the run.
 """
 
 from __future__ import annotations
@@ -28,12 +29,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import aiohttp
 import requests
-
-try:
-    import aiohttp
-except ImportError:  # httpx is the fallback (in the test extra)
-    aiohttp = None
 
 
 @dataclass
@@ -82,34 +79,25 @@ def file_requests(args: argparse.Namespace) -> list[BenchRequest]:
 
 # ---------------------------------------------------------------------------- HTTP
 class StreamClient:
-    """POST a JSON body and iterate over the server-sent-event payloads (aiohttp or httpx)."""
+    """POST a JSON body and iterate over the server-sent-event payloads (aiohttp: a chunk costs
+    the client's one event loop about half of what httpx's connection pool takes at
+    concurrency 32, where the client can be the limit; see the client_cpu_* metrics)."""
 
     def __init__(self, timeout_s: float):
-        if aiohttp is not None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
-        else:
-            import httpx
-
-            self._session = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=None))
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=timeout_s), connector=aiohttp.TCPConnector(limit=0)
+        )
 
     async def events(self, url: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        if aiohttp is not None:
-            async with self._session.post(url, json=body) as resp:
-                if resp.status != 200:
-                    raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-                async for raw in resp.content:
-                    if (event := _parse_event(raw.decode())) is not None:
-                        yield event
-        else:
-            async with self._session.stream("POST", url, json=body) as resp:
-                if resp.status_code != 200:
-                    raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()}")
-                async for line in resp.aiter_lines():
-                    if (event := _parse_event(line)) is not None:
-                        yield event
+        async with self._session.post(url, json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+            async for raw in resp.content:
+                if (event := _parse_event(raw.decode())) is not None:
+                    yield event
 
     async def close(self) -> None:
-        await (self._session.close() if aiohttp is not None else self._session.aclose())
+        await self._session.close()
 
 
 def _parse_event(line: str) -> Optional[dict[str, Any]]:
@@ -152,8 +140,9 @@ async def send_request(client: StreamClient, url: str, req: BenchRequest) -> Req
     return result
 
 
-async def run_requests(args: argparse.Namespace, url: str, reqs: list[BenchRequest]) -> tuple[list[RequestResult], float]:
-    """All requests with the arrival process and concurrency cap; (results, wall seconds)."""
+async def run_requests(args: argparse.Namespace, url: str, reqs: list[BenchRequest]) -> tuple[list[RequestResult], float, float]:
+    """All requests with the arrival process and concurrency cap; (results, wall seconds, this
+    process's CPU seconds meanwhile: the client reads every streamed chunk in one event loop)."""
     client = StreamClient(args.timeout)
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     rng = random.Random(args.seed)
@@ -166,14 +155,14 @@ async def run_requests(args: argparse.Namespace, url: str, reqs: list[BenchReque
 
     try:
         await send_request(client, url, BenchRequest(reqs[0].payload, 4))  # warm-up, not measured
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         tasks = []
         for req in reqs:
             tasks.append(asyncio.create_task(one(req)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
+        return results, time.perf_counter() - start, time.process_time() - cpu_start
     finally:
         await client.close()
 
@@ -217,7 +206,12 @@ def report_accept_lengths(per_rank: Optional[list[float]]) -> Optional[float]:
     return statistics.fmean(per_rank)
 
 
-def summarize(args: argparse.Namespace, results: list[RequestResult], duration: float, base_url: str) -> dict[str, Any]:
+CLIENT_BUSY_WARNING = 0.9  # a client CPU-busy for this fraction of the run may be what limits it
+
+
+def summarize(
+    args: argparse.Namespace, results: list[RequestResult], duration: float, client_cpu: float, base_url: str
+) -> dict[str, Any]:
     done = [r for r in results if r.ok]
     out_tokens = sum(r.completion_tokens for r in done)
     # Each verify step emits accepted drafts + 1; the first token of a request comes from prefill.
@@ -242,7 +236,15 @@ def summarize(args: argparse.Namespace, results: list[RequestResult], duration: 
         "accept_length": verify_tokens / verify_steps if verify_steps else None,
         "server_accept_length": report_accept_lengths(per_rank),
         "server_accept_length_per_rank": per_rank,
+        "client_cpu_fraction": client_cpu / duration,
+        "client_cpu_us_per_output_token": client_cpu / out_tokens * 1e6 if out_tokens else None,
     }
+    if client_cpu / duration > CLIENT_BUSY_WARNING:
+        print(
+            f"WARNING: the benchmark client was busy {client_cpu / duration:.0%} of the run: its own CPU may limit "
+            "the throughput measured (fewer chunks: the server's --stream-interval)",
+            flush=True,
+        )
     metrics.update(_stats("ttft", [r.ttft for r in done]))
     metrics.update(_stats("tpot", [(r.latency - r.ttft) / (r.completion_tokens - 1) for r in done if r.completion_tokens > 1]))
     metrics.update(_stats("itl", [g for r in done for g in r.chunk_gaps]))
@@ -280,8 +282,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if args.flush_cache:
         requests.post(f"{base_url}/flush_cache", timeout=30)
     reqs = build_requests(args, base_url)
-    results, duration = asyncio.run(run_requests(args, f"{base_url}/generate", reqs))
-    metrics = summarize(args, results, duration, base_url)
+    results, duration, client_cpu = asyncio.run(run_requests(args, f"{base_url}/generate", reqs))
+    metrics = summarize(args, results, duration, client_cpu, base_url)
     print_report(metrics)
     if args.output_file:
         with open(args.output_file, "a") as f:
