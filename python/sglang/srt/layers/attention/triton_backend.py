@@ -51,6 +51,7 @@ class TritonAttnBackend(AttentionBackend):
         query tokens; no host length is read. Needs init_cuda_graph_state first."""
         fb = forward_batch
         use_decode = fb.custom_mask is None and max_extend_len == 1
+        assert self.graph_kv_indices is not None, "init_cuda_graph_state first"
         # Every request's KV fits in one table row, so the capacity bounds sum(seq_lens).
         self.metadata = self._metadata(fb, self.graph_kv_indices, max_extend_len, use_decode)
 
@@ -64,6 +65,7 @@ class TritonAttnBackend(AttentionBackend):
     def _metadata(fb: ForwardBatch, kv_indices: torch.Tensor, max_extend_len: int, use_decode: bool) -> TritonAttnMetadata:
         """One kernel launch fills kv_indices and the offsets (and splits) the chosen kernel
         reads. use_decode: one query token per request and no custom mask."""
+        assert fb.req_to_token_pool is not None, "a forward batch of the model runner's pools"
         bs, device = fb.req_pool_indices.shape[0], fb.seq_lens.device
         kv_indptr = torch.empty(bs + 1, dtype=torch.int32, device=device)
         num_kv_splits = torch.empty(bs, dtype=torch.int32, device=device) if use_decode else None
@@ -89,11 +91,16 @@ class TritonAttnBackend(AttentionBackend):
             qo_indptr=qo_indptr,
         )
 
+    def _forward_metadata(self) -> TritonAttnMetadata:
+        assert self.metadata is not None, "init_forward_metadata (or its graph variant) first"
+        return self.metadata
+
     def attend(self, q: torch.Tensor, out: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:
-        meta = self.metadata
+        meta = self._forward_metadata()
         q3 = q_heads_view(q, layer.tp_q_head_num, layer.head_dim)
         k_cache, v_cache = load_kv(layer, forward_batch)
         if meta.use_decode_kernel:
+            assert meta.num_kv_splits is not None  # set with use_decode_kernel
             decode_attention(q3, k_cache, v_cache, out, meta.kv_indptr, meta.kv_indices, meta.num_kv_splits, layer.scaling)
         else:
             self.extend(q3, k_cache, v_cache, out, layer.scaling, forward_batch.custom_mask)
@@ -110,7 +117,8 @@ class TritonAttnBackend(AttentionBackend):
     ) -> None:
         """The extend kernel over this forward's metadata (q3: [T, H, Lk]; out: [T, H, Lv]);
         kv_splits: extend_attention's override (tests, benchmarks)."""
-        meta = self.metadata
+        meta = self._forward_metadata()
+        assert meta.qo_indptr is not None  # set unless use_decode_kernel
         extend_attention(
             q3,
             k_cache,
