@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import aiohttp
+import orjson
 import requests
 
 
@@ -93,18 +94,19 @@ class StreamClient:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
             async for raw in resp.content:
-                if (event := _parse_event(raw.decode())) is not None:
+                if (event := _parse_event(raw)) is not None:
                     yield event
 
     async def close(self) -> None:
         await self._session.close()
 
 
-def _parse_event(line: str) -> Optional[dict[str, Any]]:
+def _parse_event(line: bytes) -> Optional[dict[str, Any]]:
+    """A server-sent-event line's JSON payload (None for other lines and the [DONE] mark)."""
     line = line.strip()
-    if not line.startswith("data:") or line == "data: [DONE]":
+    if not line.startswith(b"data:") or line == b"data: [DONE]":
         return None
-    event = json.loads(line[len("data:") :])
+    event = orjson.loads(line[len(b"data:") :])
     if "error" in event:
         raise RuntimeError(f"stream error: {event['error']}")
     return event
