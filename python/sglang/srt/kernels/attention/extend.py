@@ -1,8 +1,8 @@
 """Paged prefill/extend attention: new query tokens over cached prefix + themselves.
 
-One program per (request, query head, block of BLOCK_M new tokens); for short queries (verify
-trees, draft extends: at most SHORT_QUERY_ROWS rows of token x query head), per (request, KV
-head, block): the KV head's query heads share the tile's rows. New tokens' K/V are already in
+One program per (request, query head, block of BLOCK_M new tokens); under a tree mask and for
+short queries (verify trees, draft extends: at most SHORT_QUERY_ROWS rows of token x query
+head), per (request, KV head, block): the KV head's query heads share the tile's rows. New tokens' K/V are already in
 the pool (the backend saves them first), so every key is read through the flattened slot
 index. Visibility is causal (query row r of a request with prefix p sees columns 0..p+r), or,
 with a custom mask of `tree_cols` columns per query row, every column before the request's
