@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run f
 from graph_timing import capture, median_replay_ms
 
 from sglang.srt.kernels.attention.common import q_heads_view
-from sglang.srt.kernels.attention.extend import SHORT_QUERY_ROWS
+from sglang.srt.kernels.attention.extend import is_short_query
 from sglang.srt.layers.attention.base import AttentionBackend, load_kv
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
@@ -122,7 +122,7 @@ def run_case(case: Case, dtype: torch.dtype, iters: int) -> str:
 
     native, triton_fn = bind(TorchNativeAttnBackend()), bind(TritonAttnBackend())
     err = (triton_fn().float() - native().float()).abs().max().item()
-    short = not case.is_decode and max(case.ext_lens) * case.shape.num_heads // case.shape.num_kv_heads <= SHORT_QUERY_ROWS
+    short = not case.is_decode and is_short_query(max(case.ext_lens), case.shape.num_heads // case.shape.num_kv_heads)
     graph_line = short_query_graph_times(case, fb, q, layer, iters) if short else ""
     fb.attn_backend = None
     t_native, t_triton = time_ms(native, iters), time_ms(triton_fn, iters)

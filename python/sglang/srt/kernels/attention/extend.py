@@ -171,6 +171,12 @@ def _tile_sizes(tiling: HeadDimTiling) -> tuple[int, int, int]:
     return 32, 16, 8
 
 
+def is_short_query(max_extend_len: int, group: int) -> bool:
+    """Whether an extend of max_extend_len tokens per request, group query heads per KV head,
+    packs its heads into one tile row set and splits its KV (verify trees, draft extends)."""
+    return max_extend_len * group <= SHORT_QUERY_ROWS
+
+
 def short_query_kv_splits(bs: int, tiles_per_request: int, device: torch.device) -> int:
     """KV splits per tile for a short query's launch: enough (a power of two, at most
     MAX_KV_SPLITS) to give each SM a program; 1 once the tiles alone do. The batch counts
@@ -220,9 +226,10 @@ def extend_attention(
     # graphs) pack a KV head's query heads into the tile rows; short ones also split the KV.
     # Other extends keep one head per program and the whole KV (variants of their own,
     # compiled once).
-    short = max_extend_len * group <= SHORT_QUERY_ROWS
-    pack = group if use_mask or short else 1
-    if use_mask or short:
+    short = is_short_query(max_extend_len, group)
+    packed = use_mask or short
+    pack = group if packed else 1
+    if packed:
         block_m = min(block_m, max(16, next_power_of_2(max_extend_len * pack)))
     splits = 1
     if short:
