@@ -216,6 +216,7 @@ def summarize(
 ) -> dict[str, Any]:
     done = [r for r in results if r.ok]
     out_tokens = sum(r.completion_tokens for r in done)
+    client_busy = client_cpu / duration
     # Each verify step emits accepted drafts + 1; the first token of a request comes from prefill.
     speculated = [r for r in done if r.spec_verify_ct]
     verify_steps = sum(r.spec_verify_ct for r in speculated)
@@ -238,12 +239,12 @@ def summarize(
         "accept_length": verify_tokens / verify_steps if verify_steps else None,
         "server_accept_length": report_accept_lengths(per_rank),
         "server_accept_length_per_rank": per_rank,
-        "client_cpu_fraction": client_cpu / duration,
+        "client_cpu_fraction": client_busy,
         "client_cpu_us_per_output_token": client_cpu / out_tokens * 1e6 if out_tokens else None,
     }
-    if client_cpu / duration > CLIENT_BUSY_WARNING:
+    if client_busy > CLIENT_BUSY_WARNING:
         print(
-            f"WARNING: the benchmark client was busy {client_cpu / duration:.0%} of the run: its own CPU may limit "
+            f"WARNING: the benchmark client was busy {client_busy:.0%} of the run: its own CPU may limit "
             "the throughput measured (fewer chunks: the server's --stream-interval)",
             flush=True,
         )
