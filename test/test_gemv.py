@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.kernels import gemv as gemv_module
-from sglang.srt.kernels.gemv import GemvConfig, gemv, pick_config
+from sglang.srt.kernels.gemv import MAX_ALL_ROWS, GemvConfig, gemv, pick_config
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.linear import stack_rows
 from sglang.srt.model_loader import get_model
@@ -28,29 +28,40 @@ from sglang.test.triton_harness import DEVICE, NEEDS_SUBPROCESS, ON_CUDA, kernel
 DTYPES = [torch.float32, torch.bfloat16] if ON_CUDA else [torch.float32]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
-# Both kernels, unpipelined and pipelined (the FMA path loads x differently in each), and tiles
-# wider than some of the shapes below.
+# The three kinds of program (FMAs for one row, FMAs for every row, tensor cores), unpipelined
+# and pipelined (the FMA paths load x differently in each), and tiles wider than some of the
+# shapes below.
 CONFIGS = [
     GemvConfig(16, 32),
     GemvConfig(8, 64, num_stages=2),
+    GemvConfig(16, 32, all_rows=True),
+    GemvConfig(8, 64, num_stages=2, all_rows=True),
     GemvConfig(16, 32, use_dot=True),
     GemvConfig(32, 16, num_stages=3, use_dot=True),
 ]
 if ON_CUDA:
     CONFIGS += [
         GemvConfig(8, 512),
+        GemvConfig(4, 512, all_rows=True),
         GemvConfig(16, 256, num_stages=3, use_dot=True),
         GemvConfig(8, 512, pdl=True),
+        GemvConfig(4, 512, all_rows=True, pdl=True),
         GemvConfig(16, 256, num_stages=3, use_dot=True, pdl=True),
     ]
 # (N, K): N and K multiples of no tile, one row, and even tiles.
 SHAPES = [(37, 50), (1, 24), (64, 128)]
 if ON_CUDA:
     SHAPES += [(6144, 4096), (576, 1536)]
-# Rows of x: none, one, a few, more than one 16-row tile, more than one 32-row tile (tensor
-# cores only: the interpreter runs an FMA program per row).
+# Rows of x: none, one, a few (padded to 4 by all_rows), more than one 16-row tile, more than
+# one 32-row tile (tensor cores only: the interpreter runs an FMA program per row).
 ROWS = [0, 1, 3, 17, 40]
-CASES = [(config, rows) for config in CONFIGS for rows in ROWS if config.use_dot or rows <= 17]
+
+
+def _max_rows(config: GemvConfig) -> int:
+    return MAX_ALL_ROWS if config.all_rows else 40 if config.use_dot else 17
+
+
+CASES = [(config, rows) for config in CONFIGS for rows in ROWS if rows <= _max_rows(config)]
 
 
 def _case_id(case) -> str:
@@ -93,9 +104,10 @@ def test_gemv_matches_linear(case, shape, dtype):
 @kernel_test
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_gemv_takes_views_and_leading_dims(config):
-    """x: a column slice of a wider tensor, [2, 3, K]; weight and bias: row views of stack_rows."""
+    """x: a column slice of a wider tensor, [2, 3, K] ([2, 2, K] for all_rows); weight and bias:
+    row views of stack_rows."""
     dtype, k = DTYPES[-1], 40
-    x = _randn(2, 3, k + 8, dtype=dtype, seed=1)[..., 8:]
+    x = _randn(2, 2 if config.all_rows else 3, k + 8, dtype=dtype, seed=1)[..., 8:]
     layers = [torch.nn.Linear(k, n, bias=b) for n, b in ((24, True), (9, False))]
     weight, bias = stack_rows(layers)
     weight, bias = weight.to(DEVICE, dtype), bias.to(DEVICE, dtype)
@@ -147,6 +159,12 @@ def test_gemv_replays_in_cuda_graph():
         _check(out, ref)
 
 
+def test_all_rows_tile_refuses_more_rows_than_it_holds():
+    x = torch.zeros(MAX_ALL_ROWS + 1, 8, device=DEVICE)
+    with pytest.raises(AssertionError, match="at most"):
+        gemv(x, torch.zeros(4, 8, device=DEVICE), None, GemvConfig(4, 8, all_rows=True))
+
+
 def test_pick_config_reads_the_table():
     """Rows up to each entry's bound take its config (None: cuBLAS); other shapes, gated-ness,
     more rows and non-16-bit dtypes take cuBLAS."""
@@ -196,7 +214,7 @@ def biased_llama(tmp_path_factory):
 
 
 @kernel_test
-@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2]], ids=str)
+@pytest.mark.parametrize("config", [CONFIGS[0], next(c for c in CONFIGS if c.use_dot)], ids=str)
 def test_model_with_fused_decode_kernels_matches_plain_layers(biased_llama, config):
     model, model_config = biased_llama
     prompts = [[5, 17, 42, 7, 99], [3], [11, 12, 13, 200, 201, 202]]

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run f
 from graph_timing import capture, median_replay_ms
 
 from sglang.srt.kernels.elementwise import silu_and_mul
-from sglang.srt.kernels.gemv import GemvConfig, gemv, table_to_json
+from sglang.srt.kernels.gemv import MAX_ALL_ROWS, GemvConfig, gemv, table_to_json
 from sglang.srt.kernels.tuned import write_table
 
 
@@ -93,6 +93,17 @@ FMA_CONFIGS = [
     GemvConfig(4, 1024, num_stages=3),
 ]
 FMA_MAX_ROWS = 4
+# FMA tiles that hold every row of x (2..MAX_ALL_ROWS rows): their accumulator is rows x
+# BLOCK_N x BLOCK_K floats, so these keep it near 64 registers a thread at 4 rows.
+ALL_ROWS_CONFIGS = [
+    GemvConfig(4, 512, all_rows=True),
+    GemvConfig(2, 1024, all_rows=True),
+    GemvConfig(4, 256, num_warps=2, all_rows=True),
+    GemvConfig(8, 512, num_warps=8, all_rows=True),
+    GemvConfig(4, 1024, num_warps=8, all_rows=True),
+    GemvConfig(4, 512, num_stages=3, all_rows=True),
+    GemvConfig(4, 512, all_rows=True, pdl=True),
+]
 DOT_CONFIGS = [
     GemvConfig(16, 128, num_stages=4, use_dot=True),
     GemvConfig(16, 256, num_stages=3, use_dot=True),
@@ -120,6 +131,8 @@ MIN_CALLS = 8
 
 def candidates(rows: int, pdl: bool = True) -> list[GemvConfig]:
     configs = (FMA_CONFIGS if rows <= FMA_MAX_ROWS else []) + DOT_CONFIGS
+    if 1 < rows <= MAX_ALL_ROWS:  # at one row an all_rows tile is the plain FMA tile
+        configs += ALL_ROWS_CONFIGS
     return [c for c in configs if pdl or not c.pdl]
 
 
@@ -221,7 +234,7 @@ def bench_shape(shape: Shape, rows_list: list[int], pdl: bool, replays: int, out
 def table_entries(results: dict[int, dict[str, float]], margin: float) -> list[tuple[int, Optional[GemvConfig]]]:
     """(max rows, config or None) by ascending rows: the best kernel tile where it beats cuBLAS
     by `margin`; runs of one choice merged, trailing cuBLAS dropped."""
-    by_name = {str(c): c for c in FMA_CONFIGS + DOT_CONFIGS}
+    by_name = {str(c): c for c in FMA_CONFIGS + DOT_CONFIGS + ALL_ROWS_CONFIGS}
     entries: list[tuple[int, Optional[GemvConfig]]] = []
     for rows in sorted(results):
         times = results[rows]
@@ -240,7 +253,7 @@ def config_literal(config: Optional[GemvConfig]) -> str:
     if config is None:
         return "None"
     c = config
-    return f"GemvConfig({c.block_n}, {c.block_k}, {c.num_warps}, {c.num_stages}, {c.use_dot}, {c.pdl})"
+    return f"GemvConfig({c.block_n}, {c.block_k}, {c.num_warps}, {c.num_stages}, {c.use_dot}, {c.pdl}, {c.all_rows})"
 
 
 def main() -> int:

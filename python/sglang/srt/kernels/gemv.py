@@ -3,8 +3,10 @@
 At batch 1-32 a decode GEMM only streams W from HBM; cuBLAS reaches 3.1-3.3 TB/s of an H200's
 ~4.4 on Llama-8B's 4096-wide q/k/v and o projections and adds split-K reduce kernels. Here
 each program owns BLOCK_N rows of W and walks all of K once in BLOCK_K steps, for one row of x
-(FMAs; the programs of one W tile run side by side, so W comes from HBM once) or for 16-32
-rows (tensor cores, x zero-padded). Products accumulate in float32.
+(FMAs; the programs of one W tile run side by side, so W comes from HBM once), for every row of
+a few (FMAs, `all_rows`: each step of W is loaded once and multiplied by each row, so W passes
+through L2 once, not once per row), or for 16-32 rows (tensor cores, x zero-padded). Products
+accumulate in float32.
 
 Invariants: no split-K, so every output is one program's sum in a fixed order: the same on
 every call and replay. The wrapper launches nothing for zero rows and never reads device data
@@ -48,13 +50,17 @@ class GemvConfig:
     # Programmatic dependent launch (where launch.signals_dependents): the kernel starts
     # before the previous one ends and streams its first two steps of W into L2 meanwhile.
     pdl: bool = False
+    # FMAs for up to MAX_ALL_ROWS rows of x in each program (rows padded to a power of two),
+    # rather than a program per row.
+    all_rows: bool = False
 
     def __post_init__(self):
         assert self.block_n & (self.block_n - 1) == 0 and self.block_k & (self.block_k - 1) == 0, "powers of two"
         assert not self.use_dot or min(self.block_n, self.block_k) >= 16, "tl.dot tiles are at least 16 wide"
+        assert not (self.use_dot and self.all_rows), "all_rows is an FMA tile"
 
     def __str__(self) -> str:
-        kind = "dot" if self.use_dot else "fma"
+        kind = "dot" if self.use_dot else "fma-all-rows" if self.all_rows else "fma"
         return f"{kind} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages}" + (" pdl" if self.pdl else "")
 
 
@@ -63,10 +69,19 @@ class GemvConfig:
 _PREFETCH_STEPS = 2
 
 
-def block_m(rows: int, use_dot: bool) -> int:
+MAX_ALL_ROWS = 4  # rows of x an `all_rows` program holds at most: its accumulator grows with them
+
+
+def block_m(rows: int, config: GemvConfig) -> int:
     """Rows of x per program: one for FMAs (programs of one W tile run side by side, so W comes
-    from HBM once and from L2 for the other rows); tensor cores take 16 or 32."""
-    return max(16, min(next_power_of_2(rows), 32)) if use_dot else 1
+    from HBM once and from L2 for the other rows), all of them for `all_rows` FMAs; tensor cores
+    take 16 or 32."""
+    if config.use_dot:
+        return max(16, min(next_power_of_2(rows), 32))
+    if config.all_rows:
+        assert rows <= MAX_ALL_ROWS, f"an all_rows tile takes at most {MAX_ALL_ROWS} rows of x, not {rows}"
+        return next_power_of_2(rows)
+    return 1
 
 
 # ---------------------------------------------------------------------- the kernel
@@ -88,22 +103,26 @@ def _load_tile(ptrs, rows_ok, in_k, MASK_ROWS: tl.constexpr, MASK_K: tl.constexp
 
 
 @triton.jit
-def _acc_add(acc, x, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _acc_add(acc, x, w, USE_DOT: tl.constexpr, ALL_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # Tensor cores: acc [BM, BN] += x [BM, BK] @ w [BN, BK]^T. FMAs: x is one row ([1, BK], or
     # w's [BN, BK] tile of it), and acc [BN, BK] keeps a partial sum per column, reduced over K
-    # once at the end.
+    # once at the end; with ALL_ROWS the same per row of x ([BM, 1 or BN, BK]), acc [BM, BN, BK].
     if USE_DOT:
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    elif ALL_ROWS:
+        acc += x.to(tl.float32) * w.to(tl.float32)[None, :, :]
     else:
         acc += x.to(tl.float32) * w.to(tl.float32)
     return acc
 
 
 @triton.jit
-def _acc_result(acc, USE_DOT: tl.constexpr):
+def _acc_result(acc, USE_DOT: tl.constexpr, ALL_ROWS: tl.constexpr):
     # The [BM, BN] sums of an accumulator.
     if USE_DOT:
         out = acc
+    elif ALL_ROWS:
+        out = tl.sum(acc, axis=2)
     else:
         out = tl.sum(acc, axis=1)[None, :]
     return out
@@ -130,6 +149,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     USE_DOT: tl.constexpr,
+    ALL_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
@@ -141,8 +161,8 @@ def _gemv_kernel(
     rows = (pid % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = (pid // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     # A last W tile past N re-reads row N - 1 rather than masking every load; those outputs
-    # are not stored. Rows of x past M (tensor cores only: FMA programs hold one row < M) load
-    # as zeros, which costs no traffic.
+    # are not stored. Rows of x past M (tensor cores and ALL_ROWS: other FMA programs hold one
+    # row < M) load as zeros, which costs no traffic.
     w_rows = tl.minimum(cols, N - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)[None, :]
     w_tile = w_ptr + w_rows[:, None] * w_stride + offs_k
@@ -151,6 +171,12 @@ def _gemv_kernel(
     x_rows_ok = (rows < M)[:, None]
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif ALL_ROWS:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        x_tile = x_tile[:, None, :]
+        x_rows_ok = x_rows_ok[:, :, None]
+        if NUM_STAGES == 1:  # as below: each row of x in w's layout
+            x_tile += 0 * w_rows[None, :, None]
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if NUM_STAGES == 1:
@@ -172,19 +198,19 @@ def _gemv_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         in_k = offs_k < K - k0
-        x = _load_tile(x_tile + k0, x_rows_ok, in_k, USE_DOT, MASK_K)
+        x = _load_tile(x_tile + k0, x_rows_ok, in_k, BLOCK_M > 1, MASK_K)
         w = _load_tile(w_tile + k0, x_rows_ok, in_k, False, MASK_K)
-        acc = _acc_add(acc, x, w, USE_DOT, DOT_PRECISION)
+        acc = _acc_add(acc, x, w, USE_DOT, ALL_ROWS, DOT_PRECISION)
         if GATED:
             w_up = _load_tile(up_tile + k0, x_rows_ok, in_k, False, MASK_K)
-            acc_up = _acc_add(acc_up, x, w_up, USE_DOT, DOT_PRECISION)
+            acc_up = _acc_add(acc_up, x, w_up, USE_DOT, ALL_ROWS, DOT_PRECISION)
 
     dtype = x_ptr.dtype.element_ty
-    y = _acc_result(acc, USE_DOT)
+    y = _acc_result(acc, USE_DOT, ALL_ROWS)
     if HAS_BIAS:
         y += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
     if GATED:  # the unfused path rounds gate and up to x's dtype (the GEMM's output), then SiluAndMul
-        up = _acc_result(acc_up, USE_DOT)
+        up = _acc_result(acc_up, USE_DOT, ALL_ROWS)
         if HAS_BIAS:
             up += tl.load(bias_ptr + N + w_rows).to(tl.float32)[None, :]
         y = silu_mul(y.to(dtype), up.to(dtype))
@@ -220,7 +246,7 @@ def gemv(
     pdl = config.pdl and signals_dependents(x.device)
     y = torch.empty((rows, width), dtype=out_dtype or x.dtype, device=x.device)
     if rows and width:
-        bm = block_m(rows, config.use_dot)
+        bm = block_m(rows, config)
         m_tiles = cdiv(rows, bm)
         _gemv_kernel[(cdiv(width, config.block_n) * m_tiles,)](
             x2,
@@ -242,6 +268,7 @@ def gemv(
             BLOCK_K=config.block_k,
             NUM_STAGES=config.num_stages,
             USE_DOT=config.use_dot,
+            ALL_ROWS=not config.use_dot and bm > 1,
             DOT_PRECISION=dot_precision(x.dtype),
             PDL=pdl,
             PREFETCH_LINES=next_power_of_2(cdiv(min(k, _PREFETCH_STEPS * config.block_k), line)),
