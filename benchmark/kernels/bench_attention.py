@@ -2,11 +2,12 @@
 
     python benchmark/kernels/bench_attention.py [--dtype bfloat16] [--iters 20]
 
-Each case checks that both backends agree before timing them. Decode cases also report
-the KV bytes read per call over the Triton time (effective HBM bandwidth). Short queries
-(verify trees) also report the extend kernel's device time per call inside a CUDA graph of
-20 calls (the eager figures above include the host's launch), with the KV in one program
-per tile and split as the kernel chooses on this GPU.
+Each case checks that both backends agree before timing them. Decode cases and short
+queries (verify trees) also report the attention kernels' device time per call inside a CUDA
+graph of 20 calls (the eager figures include the host's launch): decode with each request's
+KV split as the metadata chooses (by context) and in one program per (request, KV head), with
+the KV bytes read over the split time (effective HBM bandwidth); short queries with the KV in
+one program per tile and split as the kernel chooses on this GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run f
 from graph_timing import capture, median_replay_ms
 
 from sglang.srt.kernels.attention.common import q_heads_view
+from sglang.srt.kernels.attention.decode import decode_attention
 from sglang.srt.kernels.attention.extend import is_short_query
 from sglang.srt.layers.attention.base import AttentionBackend, load_kv
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -56,6 +58,7 @@ def cases() -> list[Case]:
         out += [
             Case(f"{label} decode bs=1 ctx=1024", shape, [1], [1023]),
             Case(f"{label} decode bs=1 ctx=8192", shape, [1], [8191]),
+            Case(f"{label} decode bs=32 ctx=256", shape, [1] * 32, [255] * 32),
             Case(f"{label} decode bs=32 ctx=1024", shape, [1] * 32, [1023] * 32),
             Case(f"{label} decode bs=32 ctx=4096", shape, [1] * 32, [4095] * 32),
             Case(f"{label} prefill 1x2048", shape, [2048], [0]),
@@ -96,6 +99,21 @@ def short_query_graph_times(case: Case, fb, q: torch.Tensor, layer, iters: int) 
     return f"  graph: one program/tile {one:6.2f} us, split {split:6.2f} us"
 
 
+def decode_graph_times(fb, q: torch.Tensor, layer, iters: int) -> tuple[float, float]:
+    """The decode kernels alone on the Triton backend's metadata: (split by context, one
+    program per request and KV head) in us per call."""
+    meta = fb.attn_backend.metadata
+    k_cache, v_cache = load_kv(layer, fb)
+    q3 = q_heads_view(q, layer.tp_q_head_num, layer.head_dim)
+    out = q3.new_empty(q3.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+
+    def call(splits: torch.Tensor):
+        return lambda: decode_attention(q3, k_cache, v_cache, out, meta.kv_indptr, meta.kv_indices, splits, layer.scaling)
+
+    one = torch.ones_like(meta.num_kv_splits)
+    return graph_us(call(meta.num_kv_splits), iters), graph_us(call(one), iters)
+
+
 def time_ms(fn, iters: int) -> float:
     """Median of `iters` CUDA-event timings after two warm-up calls."""
     for _ in range(2):
@@ -122,19 +140,23 @@ def run_case(case: Case, dtype: torch.dtype, iters: int) -> str:
 
     native, triton_fn = bind(TorchNativeAttnBackend()), bind(TritonAttnBackend())
     err = (triton_fn().float() - native().float()).abs().max().item()
-    short = not case.is_decode and is_short_query(max(case.ext_lens), case.shape.num_heads // case.shape.num_kv_heads)
-    graph_line = short_query_graph_times(case, fb, q, layer, iters) if short else ""
-    fb.attn_backend = None
-    t_native, t_triton = time_ms(native, iters), time_ms(triton_fn, iters)
-    line = (
-        f"{case.name:<42} native {t_native:9.3f} ms  triton {t_triton:8.3f} ms  x{t_native / t_triton:6.1f}  max|diff| {err:.1e}"
-    )
+    graph_line = ""
     if case.is_decode:
         s = case.shape
         # MLA's V is a view of the latent already read as K.
         per_token = (s.head_dim if s.mla else s.num_kv_heads * (s.head_dim + s.v_head_dim)) * dtype.itemsize
         kv_bytes = sum(p + e for p, e in zip(case.prefix_lens, case.ext_lens)) * per_token
-        line += f"  KV read {kv_bytes / t_triton / 1e6:7.1f} GB/s"
+        split_us, one_us = decode_graph_times(fb, q, layer, iters)
+        graph_line = (
+            f"  graph: split {split_us:7.2f} us ({kv_bytes / split_us / 1e3:6.1f} GB/s), one program/tile {one_us:7.2f} us"
+        )
+    elif is_short_query(max(case.ext_lens), case.shape.num_heads // case.shape.num_kv_heads):
+        graph_line = short_query_graph_times(case, fb, q, layer, iters)
+    fb.attn_backend = None
+    t_native, t_triton = time_ms(native, iters), time_ms(triton_fn, iters)
+    line = (
+        f"{case.name:<42} native {t_native:9.3f} ms  triton {t_triton:8.3f} ms  x{t_native / t_triton:6.1f}  max|diff| {err:.1e}"
+    )
     return line + graph_line
 
 
