@@ -640,3 +640,16 @@ def test_spy_serving_splits_samples_by_process_and_role():
     assert text.index("== scheduler (pid 11): 10 samples") < text.index("== HTTP server (pid 10): 3 samples")
     assert " 80.0%  Scheduler.launch (sglang/srt/managers/scheduler.py)" in text
     assert "run_scheduler_process" not in text.split("with callees")[1].split("==")[0]  # in every sample
+
+
+def test_bench_gemv_offers_all_rows_tiles_at_a_few_rows_and_tables_them(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmark/kernels"))  # its sibling graph_timing
+    bench = _load_script("benchmark/kernels/bench_gemv.py")
+    assert not any(c.all_rows for c in bench.candidates(1)) and not any(c.all_rows for c in bench.candidates(8))
+    at_four = bench.candidates(4)
+    assert set(bench.ALL_ROWS_CONFIGS) <= set(at_four) and len({str(c) for c in at_four}) == len(at_four)
+    all_rows, fma = bench.ALL_ROWS_CONFIGS[0], bench.FMA_CONFIGS[0]
+    results = {1: {"cublas": 10.0, str(fma): 8.0, str(all_rows): 9.0}, 4: {"cublas": 10.0, str(fma): 12.0, str(all_rows): 9.0}}
+    assert bench.table_entries(results, margin=0.02) == [(1, fma), (4, all_rows)]
+    assert eval(bench.config_literal(all_rows), {"GemvConfig": type(all_rows)}) == all_rows
