@@ -653,3 +653,17 @@ def test_bench_gemv_offers_all_rows_tiles_at_a_few_rows_and_tables_them(monkeypa
     results = {1: {"cublas": 10.0, str(fma): 8.0, str(all_rows): 9.0}, 4: {"cublas": 10.0, str(fma): 12.0, str(all_rows): 9.0}}
     assert bench.table_entries(results, margin=0.02) == [(1, fma), (4, all_rows)]
     assert eval(bench.config_literal(all_rows), {"GemvConfig": type(all_rows)}) == all_rows
+
+
+def test_bench_gemv_write_table_replaces_only_the_shapes_measured(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmark/kernels"))
+    bench = _load_script("benchmark/kernels/bench_gemv.py")
+    fma, dot = bench.FMA_CONFIGS[0], bench.DOT_CONFIGS[0]
+    stored = {(1, 2, False): ((1, fma),), (3, 4, False): ((32, dot),), (5, 6, True): ((1, fma),)}
+    measured = {(3, 4, False): [(1, fma), (4, None)], (5, 6, True): [], (7, 8, False): [(4, dot)]}
+    assert bench.merge_tables(stored, measured) == {
+        (1, 2, False): ((1, fma),),
+        (3, 4, False): ((1, fma), (4, None)),
+        (7, 8, False): ((4, dot),),
+    }

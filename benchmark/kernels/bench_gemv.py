@@ -1,6 +1,6 @@
 """Decode GEMMs: cuBLAS (F.linear) vs the Triton GEMV of kernels/gemv.py, on CUDA.
 
-    python benchmark/kernels/bench_gemv.py [--models llama8b v2lite smollm2] [--rows 1 4 8 16 32]
+    python benchmark/kernels/bench_gemv.py [--models llama8b llama8b_eagle v2lite smollm2] [--rows 1 4 8 16 32]
 
 For each bf16 weight of the models' decode steps and each batch of M rows, every candidate
 (cuBLAS and several kernel tiles) runs inside a CUDA graph of back-to-back calls, each on its
@@ -11,7 +11,8 @@ GEMM + SiluAndMul against the gated kernel; LM heads write float32 logits on bot
 Writes a JSON line per (shape, M, implementation) with us per call and TB/s (weight bytes /
 time), to stdout or --jsonl, then prints a summary of the best per shape, the GEMM time per
 decode step of each model, and last the table that takes the kernel where it beats cuBLAS by
-`--margin`; --write-table stores it as kernels/tuned/gemv-<GPU>.json, which pick_config reads.
+`--margin`; --write-table stores it in kernels/tuned/gemv-<GPU>.json, which pick_config reads
+(the shapes measured now replace their entries there; the others stay).
 Kernels compile first in --jobs processes (the on-disk Triton cache then serves the timing process).
 """
 
@@ -38,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # run f
 from graph_timing import capture, median_replay_ms
 
 from sglang.srt.kernels.elementwise import silu_and_mul
-from sglang.srt.kernels.gemv import MAX_ALL_ROWS, GemvConfig, gemv, table_to_json
-from sglang.srt.kernels.tuned import write_table
+from sglang.srt.kernels.gemv import MAX_ALL_ROWS, GemvConfig, Table, gemv, table_from_json, table_to_json
+from sglang.srt.kernels.tuned import load_table, write_table
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,12 @@ MODELS: dict[str, list[Shape]] = {
         Shape("gate_up", 3072, 576, 30, gated=True),
         Shape("down", 576, 1536, 30),
         Shape("lm_head", 49152, 576, 1, logits=True),
+    ],
+    # The EAGLE head of configs/llama-3.1-8b-eagle.json, per draft forward (its decoder layer has
+    # Llama's shapes): fc over [embedding | target hidden], and the LM head over a 32k-token map.
+    "llama8b_eagle": [
+        Shape("fc", 4096, 8192, 1),
+        Shape("lm_head_32k", 32768, 4096, 1, logits=True),
     ],
 }
 
@@ -249,6 +256,18 @@ def table_entries(results: dict[int, dict[str, float]], margin: float) -> list[t
     return entries
 
 
+def merge_tables(stored: Table, measured: dict[tuple[int, int, bool], list[tuple[int, Optional[GemvConfig]]]]) -> Table:
+    """The stored table with each shape measured now replaced by its new entries (dropped where
+    cuBLAS won at every row count); shapes not measured now keep theirs."""
+    merged = dict(stored)
+    for key, entries in measured.items():
+        if entries:
+            merged[key] = tuple(entries)
+        else:
+            merged.pop(key, None)
+    return merged
+
+
 def config_literal(config: Optional[GemvConfig]) -> str:
     if config is None:
         return "None"
@@ -265,7 +284,11 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=8, help="processes compiling the kernels first (0: none)")
     parser.add_argument("--jsonl", help="write the JSON lines to this file instead of stdout")
     parser.add_argument("--no-pdl", action="store_true", help="leave out the PDL tiles (and from the table)")
-    parser.add_argument("--write-table", action="store_true", help="store the table where the kernel reads it (kernels/tuned/)")
+    parser.add_argument(
+        "--write-table",
+        action="store_true",
+        help="store the table where the kernel reads it (kernels/tuned/): the shapes measured now replace theirs, others stay",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gemv: CUDA is required", file=sys.stderr)
@@ -313,8 +336,10 @@ def main() -> int:
             print(f"        {key}: ({body},),")
     print("    },")
     if args.write_table:
-        chosen_table = {key: tuple(entries) for key, entries in table.items() if entries}
-        print(f"# table written to {write_table('gemv', device, table_to_json(chosen_table))}")
+        stored = load_table("gemv", device)
+        merged = merge_tables(table_from_json(stored) if stored else {}, table)
+        path = write_table("gemv", device, table_to_json(merged))
+        print(f"# table written to {path}: {len(table)} shapes measured now, {len(merged)} listed")
     print(f"# {time.time() - began:.0f} s")
     return 0
 
