@@ -73,7 +73,7 @@ case "$stage" in
     ;;
   tune)  # measured kernel tables for this GPU (kernels/tuned/*.json; copies in $OUT)
     # shellcheck disable=SC2086
-    step tune_gemv 200 python3 benchmark/kernels/bench_gemv.py --rows 1 4 8 32 --write-table --jsonl "$out/gemv.jsonl" ${GEMV_FLAGS:-}
+    step tune_gemv 240 python3 benchmark/kernels/bench_gemv.py --rows 1 4 8 32 64 --write-table --jsonl "$out/gemv.jsonl" ${GEMV_FLAGS:-}
     step tune_moe 150 python3 benchmark/kernels/bench_moe.py --budget 45 --write-table
     cp python/sglang/srt/kernels/tuned/*.json "$out/" 2>/dev/null
     ;;
