@@ -119,6 +119,11 @@ DOT_CONFIGS = [
     GemvConfig(32, 128, num_stages=4, use_dot=True),
     GemvConfig(32, 256, num_stages=3, use_dot=True),
     GemvConfig(64, 128, num_stages=3, use_dot=True),
+    # Wider W tiles for 8-64 rows, where x's tile is worth reusing across more of W.
+    GemvConfig(64, 256, num_stages=3, use_dot=True),
+    GemvConfig(32, 512, num_stages=2, use_dot=True),
+    GemvConfig(64, 128, num_warps=8, num_stages=4, use_dot=True),
+    GemvConfig(128, 128, num_warps=8, num_stages=3, use_dot=True),
 ]
 # Under PDL each call of the graph's chain prefetches while the previous one runs. In a decode
 # step the kernel before a GEMV is RMSNorm (which signals at once), the gate_up GEMV, or
