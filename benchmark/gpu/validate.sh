@@ -77,6 +77,23 @@ case "$stage" in
     step tune_moe 150 python3 benchmark/kernels/bench_moe.py --budget 45 --write-table
     cp python/sglang/srt/kernels/tuned/*.json "$out/" 2>/dev/null
     ;;
+  tune-ab)  # Llama-8B's plain step (batch 1, 4, 32) and dense EAGLE 3/1/4 cycle with this GPU's stored GEMV table,
+    # then the table measured again for Llama and its EAGLE head (merged into the stored one; a copy in $OUT), then both again
+    python3 -c "import torch; torch.save(torch.arange(32768), '/tmp/map32k.pt')"
+    eagle_3_1_4="${nextn_3_1_4/NEXTN/EAGLE} --speculative-token-map /tmp/map32k.pt"
+    llama=(--config benchmark/configs/llama-3.1-8b.json --repeats 5)
+    for when in stored tuned; do
+      if [ "$when" = tuned ]; then
+        step tune_gemv_llama 200 python3 benchmark/kernels/bench_gemv.py --models llama8b llama8b_eagle --rows 1 4 8 32 \
+          --write-table --jsonl "$out/gemv_llama.jsonl"
+        cp python/sglang/srt/kernels/tuned/gemv-*.json "$out/" 2>/dev/null
+      fi
+      step "llama8b_plain_$when" 100 python3 benchmark/bench_decode.py "${llama[@]}" --batch-sizes 1 4 32 -- --cuda-graph-max-bs 32
+      # shellcheck disable=SC2086
+      step "llama8b_eagle_$when" 100 python3 benchmark/bench_decode.py "${llama[@]}" --batch-sizes 1 \
+        --draft-config benchmark/configs/llama-3.1-8b-eagle.json -- --cuda-graph-max-bs 8 $eagle_3_1_4
+    done
+    ;;
   decode)  # decode step with CUDA graphs, and Hugging Face transformers on the same machine
     step llama8b_decode 150 python3 benchmark/bench_decode.py --config benchmark/configs/llama-3.1-8b.json \
       --batch-sizes 1 32 -- --cuda-graph-max-bs 32
@@ -273,6 +290,6 @@ case "$stage" in
     step collectives_nccl 150 python3 benchmark/kernels/bench_collectives.py --world "${WORLD:-2}" --gpu-id-step 1 \
       --jsonl "$out/collectives.jsonl"
     ;;
-  *) echo "usage: validate.sh STAGE...: kernels|pack-deepseek|kernel-tests|launch|tune|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|serving-profile|serving-phases|greedy-decode|spec-mixed|serving-spy|spec-kernels|short-queries|smollm2-c64|graphs|prefill-graphs|shared-gpu|collectives"; exit 2 ;;
+  *) echo "usage: validate.sh STAGE...: kernels|pack-deepseek|kernel-tests|launch|tune|tune-ab|gemv-pdl|decode|deepseek|v2lite-step|profile-deepseek|small-deepseek|nextn-serving|serving-profile|serving-phases|greedy-decode|spec-mixed|serving-spy|spec-kernels|short-queries|smollm2-c64|graphs|prefill-graphs|shared-gpu|collectives"; exit 2 ;;
 esac
 done
