@@ -22,6 +22,9 @@ step() {  # step NAME SECONDS CMD...
 smollm2="${SMOLLM2_GGUF:-/tmp/smollm2.gguf}"
 nextn_3_1_4="--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
 nextn_1_1_2="--speculative-algorithm NEXTN --speculative-num-steps 1 --speculative-eagle-topk 1 --speculative-num-draft-tokens 2"
+# The dense EAGLE 3/1/4 cycle's flags: a draft head over a 32k-token map (token_map_32k writes it).
+eagle_3_1_4="${nextn_3_1_4/NEXTN/EAGLE} --speculative-token-map /tmp/map32k.pt"
+token_map_32k() { python3 -c "import torch; torch.save(torch.arange(32768), '/tmp/map32k.pt')"; }
 models="${MODELS:-/tmp/bench_models}"
 # The held-out prompts at concurrency 32: the bench flags, then `--` and every server's flags.
 # 1,024 prompts: a pass of 256 lasted 1.5-2.8 s on an H100, and one stall moved it by 20%.
@@ -79,8 +82,7 @@ case "$stage" in
     ;;
   tune-ab)  # Llama-8B's plain step (batch 1, 4, 32) and dense EAGLE 3/1/4 cycle with this GPU's stored GEMV table,
     # then the table measured again for Llama and its EAGLE head (merged into the stored one; a copy in $OUT), then both again
-    python3 -c "import torch; torch.save(torch.arange(32768), '/tmp/map32k.pt')"
-    eagle_3_1_4="${nextn_3_1_4/NEXTN/EAGLE} --speculative-token-map /tmp/map32k.pt"
+    token_map_32k
     llama=(--config benchmark/configs/llama-3.1-8b.json --repeats 5)
     for when in stored tuned; do
       if [ "$when" = tuned ]; then
@@ -223,8 +225,7 @@ case "$stage" in
     # NEXTN 3/1/4 cycle
     step short_query_tests 150 python3 -m pytest -q test/test_triton_kernels.py
     step bench_attention 90 python3 benchmark/kernels/bench_attention.py
-    python3 -c "import torch; torch.save(torch.arange(32768), '/tmp/map32k.pt')"
-    eagle_3_1_4="${nextn_3_1_4/NEXTN/EAGLE} --speculative-token-map /tmp/map32k.pt"
+    token_map_32k
     llama=(--config benchmark/configs/llama-3.1-8b.json --batch-sizes 1 --repeats 5)
     step llama8b_plain 90 python3 benchmark/bench_decode.py "${llama[@]}" -- --cuda-graph-max-bs 8
     trained_deepseek 2

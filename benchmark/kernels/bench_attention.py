@@ -84,13 +84,18 @@ def graph_us(fn, replays: int) -> float:
     return median_replay_ms(graph, replays) * 1e3 / GRAPH_CALLS
 
 
-def short_query_graph_times(case: Case, fb, q: torch.Tensor, layer, iters: int) -> str:
+def kernel_operands(fb, q: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q3, k_cache, v_cache, out): what the attention kernels take for this layer's batch."""
+    k_cache, v_cache = load_kv(layer, fb)
+    q3 = q_heads_view(q, layer.tp_q_head_num, layer.head_dim)
+    return q3, k_cache, v_cache, q3.new_empty(q3.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+
+
+def short_query_graph_times(fb, q: torch.Tensor, layer, iters: int) -> str:
     """The extend kernel alone on the Triton backend's metadata: one program per tile against
     the kernel's own KV split."""
     backend = fb.attn_backend
-    k_cache, v_cache = load_kv(layer, fb)
-    q3 = q_heads_view(q, layer.tp_q_head_num, layer.head_dim)
-    out = q3.new_empty(q3.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+    q3, k_cache, v_cache, out = kernel_operands(fb, q, layer)
 
     def call(kv_splits):
         return lambda: backend.extend(q3, k_cache, v_cache, out, layer.scaling, fb.custom_mask, kv_splits)
@@ -103,9 +108,7 @@ def decode_graph_times(fb, q: torch.Tensor, layer, iters: int) -> tuple[float, f
     """The decode kernels alone on the Triton backend's metadata: (split by context, one
     program per request and KV head) in us per call."""
     meta = fb.attn_backend.metadata
-    k_cache, v_cache = load_kv(layer, fb)
-    q3 = q_heads_view(q, layer.tp_q_head_num, layer.head_dim)
-    out = q3.new_empty(q3.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+    q3, k_cache, v_cache, out = kernel_operands(fb, q, layer)
 
     def call(splits: torch.Tensor):
         return lambda: decode_attention(q3, k_cache, v_cache, out, meta.kv_indptr, meta.kv_indices, splits, layer.scaling)
@@ -151,7 +154,7 @@ def run_case(case: Case, dtype: torch.dtype, iters: int) -> str:
             f"  graph: split {split_us:7.2f} us ({kv_bytes / split_us / 1e3:6.1f} GB/s), one program/tile {one_us:7.2f} us"
         )
     elif is_short_query(max(case.ext_lens), case.shape.num_heads // case.shape.num_kv_heads):
-        graph_line = short_query_graph_times(case, fb, q, layer, iters)
+        graph_line = short_query_graph_times(fb, q, layer, iters)
     fb.attn_backend = None
     t_native, t_triton = time_ms(native, iters), time_ms(triton_fn, iters)
     line = (
